@@ -1,0 +1,126 @@
+"""Configuration dataclasses, grouped as vLLM groups them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Which model to run and in which precision.
+
+    ``model`` is a HuggingFace checkpoint directory. ``max_model_len`` defaults
+    to the checkpoint's ``max_position_embeddings``.
+    """
+
+    model: str | None = None
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(
+                f"ModelConfig.dtype must be 'bfloat16', 'float16' or 'float32'; got {self.dtype!r}."
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(
+                f"ModelConfig.max_model_len must be positive; got {self.max_model_len}."
+            )
+
+
+@dataclasses.dataclass
+class CacheConfig:
+    """The paged KV cache.
+
+    ``gpu_memory_utilization`` is the fraction of the device memory JAX manages
+    that weights, activations and the KV cache may use together; the KV cache
+    takes what the profile run leaves. On backends that report no memory
+    statistics (the CPU) the cache gets ``cpu_kv_cache_bytes``.
+    ``num_gpu_blocks_override`` fixes the number of blocks instead.
+    """
+
+    block_size: int = 16
+    cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    cpu_kv_cache_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"CacheConfig.block_size must be a power of two; got {self.block_size}."
+            )
+        if self.cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(
+                "CacheConfig.cache_dtype must be 'auto' (the model dtype), 'bfloat16', "
+                f"'float16' or 'float32'; got {self.cache_dtype!r}."
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                "CacheConfig.gpu_memory_utilization must be in (0, 1]; "
+                f"got {self.gpu_memory_utilization}."
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                "CacheConfig.num_gpu_blocks_override must be at least 2 (block 0 is "
+                f"reserved for padding); got {self.num_gpu_blocks_override}."
+            )
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """Batch limits per step (vLLM's dataclass defaults)."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"SchedulerConfig.max_num_seqs must be positive; got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                "SchedulerConfig.max_num_batched_tokens must be positive; "
+                f"got {self.max_num_batched_tokens}."
+            )
+
+
+def default_cache_dir() -> str:
+    return os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxrunner", "xla"
+    )
+
+
+@dataclasses.dataclass
+class CompilationConfig:
+    """Bucket ladders and ahead-of-time compilation.
+
+    ``token_buckets`` pads the token axis of the model step, ``request_buckets``
+    the request axis of logits and sampling; ``None`` picks a default ladder,
+    dense at small sizes. ``cache_dir`` holds the persistent compilation cache
+    (``""`` turns it off).
+    """
+
+    token_buckets: list[int] | None = None
+    request_buckets: list[int] | None = None
+    precompile: bool = True
+    cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
+
+    def __post_init__(self) -> None:
+        for name in ("token_buckets", "request_buckets"):
+            ladder = getattr(self, name)
+            if ladder is not None and (not ladder or any(b < 1 for b in ladder)):
+                raise ValueError(
+                    f"CompilationConfig.{name} must be a non-empty list of positive sizes; got {ladder}."
+                )
+
+
+@dataclasses.dataclass
+class RunnerConfig:
+    """Everything the model runner needs, as vLLM's ``VllmConfig`` bundles it."""
+
+    model_config: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    cache_config: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)

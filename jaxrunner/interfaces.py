@@ -1,0 +1,206 @@
+"""The runner's contract, with vLLM's names and fields.
+
+A scheduler hands the runner a ``SchedulerOutput`` each step; the runner answers
+with a ``ModelRunnerOutput``. ``SamplingParams`` follows vLLM's semantics and
+validates itself, so a bad value fails at the request, not inside a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+# Below this temperature vLLM samples greedily and turns top-p/top-k/min-p off.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request sampling parameters with vLLM's names, defaults and checks."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: Any | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this request takes the argmax (vLLM: temperature < 1e-5)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def _validate(self) -> None:
+        checks = [
+            ("n", self.n >= 1, "must be at least 1"),
+            ("temperature", self.temperature >= 0.0, "must be non-negative"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be 0 or -1 (off) or a positive count"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "must be positive"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
+            (
+                "min_tokens",
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "must not exceed max_tokens",
+            ),
+            ("logprobs", self.logprobs is None or self.logprobs >= -1, "must be -1 or a count"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or self.prompt_logprobs >= -1,
+                "must be -1 or a count",
+            ),
+            (
+                "stop_token_ids",
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "must be non-negative token ids",
+            ),
+            (
+                "stop",
+                all(isinstance(s, str) and s for s in self.stop),
+                "must be non-empty strings",
+            ),
+            (
+                "seed",
+                self.seed is None or -(1 << 63) <= self.seed < (1 << 64),
+                "must fit in 64 bits",
+            ),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(
+                    f"SamplingParams.{name} {why}; got {getattr(self, name)!r}."
+                )
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if not np.isfinite(value):
+                raise ValueError(f"SamplingParams.{name} must be finite; got {value!r}.")
+
+
+@dataclasses.dataclass
+class NewRequestData:
+    """A request scheduled for the first time (or resumed after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+    # All tokens so far: the prompt, plus the outputs of a resumed request.
+    prefill_token_ids: list[int] | None = None
+    lora_request: Any | None = None
+    mm_features: list[Any] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.prefill_token_ids is None:
+            self.prefill_token_ids = list(self.prompt_token_ids)
+
+
+@dataclasses.dataclass
+class CachedRequestData:
+    """Requests already on the runner: their computed counts and new blocks."""
+
+    req_ids: list[str] = dataclasses.field(default_factory=list)
+    num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
+    # One entry per request: per KV-cache group, the block ids appended this step.
+    new_block_ids: list[tuple[list[int], ...] | None] = dataclasses.field(
+        default_factory=list
+    )
+
+    @classmethod
+    def make_empty(cls) -> CachedRequestData:
+        return cls()
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What the scheduler decided for one step."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(
+        default_factory=dict
+    )
+    finished_req_ids: set[str] = dataclasses.field(default_factory=set)
+    preempted_req_ids: set[str] | None = None
+    free_encoder_mm_hashes: list[str] = dataclasses.field(default_factory=list)
+    scheduled_encoder_inputs: dict[str, list[int]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    @classmethod
+    def make_empty(cls) -> SchedulerOutput:
+        return cls(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData.make_empty(),
+            num_scheduled_tokens={},
+            total_num_scheduled_tokens=0,
+        )
+
+
+@dataclasses.dataclass
+class GrammarOutput:
+    """Structured-output constraints: one int32 bitmask row per constrained request.
+
+    Bit ``v % 32`` of word ``v // 32`` in a row allows token ``v``.
+    """
+
+    structured_output_request_ids: list[str]
+    grammar_bitmask: np.ndarray  # int32 [rows, ceil(vocab / 32)]
+
+
+@dataclasses.dataclass
+class LogprobsLists:
+    """Sample logprobs: per generated token, the sampled token first, then the top-n."""
+
+    logprob_token_ids: np.ndarray  # int32 [num_generated, 1 + n]
+    logprobs: np.ndarray  # float32 [num_generated, 1 + n]
+    sampled_token_ranks: np.ndarray  # int32 [num_generated]
+    cu_num_generated_tokens: list[int] | None = None
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """What the runner returns for one step."""
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # Per request: the tokens it produced this step (empty mid chunked prefill).
+    sampled_token_ids: list[list[int]]
+    logprobs: LogprobsLists | None = None
+    prompt_logprobs_dict: dict[str, Any] = dataclasses.field(default_factory=dict)
+    num_nans_in_logits: dict[str, int] | None = None
+
+    @classmethod
+    def make_empty(cls) -> ModelRunnerOutput:
+        return cls(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -1,0 +1,341 @@
+"""The model runner: vLLM's ``GPUModelRunner`` contract over jitted, bucketed steps.
+
+Each step runs at most three programs, each compiled ahead of time per bucket:
+``write_new_requests`` (request bucket; only when requests join), the forward
+step (token bucket: input preparation, the model, the gather of the rows to
+sample) and the sampling step (request bucket: logits, sampling, post-update).
+Splitting by axis keeps the number of programs the sum of the ladders, not
+their product. The KV cache and the device state are donated to each program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxrunner import compat
+from jaxrunner.block_table import BlockTables
+from jaxrunner.buckets import CompiledPrograms, CompileCounter, make_ladder, pad_to_bucket
+from jaxrunner.config import RunnerConfig
+from jaxrunner.input_batch import (
+    InputBatch,
+    SampleRows,
+    StepShape,
+    logits_indices,
+    pack_step_buffer,
+    post_update,
+    prepare_inputs,
+)
+from jaxrunner.interfaces import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from jaxrunner.kv_cache import (
+    KVCacheSpec,
+    KVCaches,
+    allocate_kv_caches,
+    determine_num_blocks,
+    kv_cache_capacity,
+)
+from jaxrunner.models import CausalLM, TransformerConfig, load_model
+from jaxrunner.sample.sampler import sample_tokens
+from jaxrunner.states import DeviceState, RequestState, write_new_requests
+
+logger = logging.getLogger(__name__)
+
+# Blocks of the throw-away KV cache the profile run compiles against.
+_PROFILE_NUM_BLOCKS = 16
+
+
+class ModelRunner:
+    """Holds the model, the KV cache and the request state; runs one step at a time."""
+
+    def __init__(self, config: RunnerConfig, device: jax.Device | None = None):
+        self.config = config
+        self.device = device or jax.devices()[0]
+        self.model_config = config.model_config
+        self.cache_config = config.cache_config
+        self.max_num_reqs = config.scheduler_config.max_num_seqs
+        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
+        self.block_size = config.cache_config.block_size
+        self.token_buckets = make_ladder(
+            config.compilation_config.token_buckets, self.max_num_tokens, "token_buckets"
+        )
+        self.request_buckets = make_ladder(
+            config.compilation_config.request_buckets, self.max_num_reqs, "request_buckets"
+        )
+        compat.enable_persistent_compilation_cache(config.compilation_config.cache_dir)
+        CompileCounter.install()
+        self.model: CausalLM | None = None
+        self.kv_caches: KVCaches | None = None
+        self.execute_model_state: tuple[InputBatch, jax.Array, SampleRows] | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def load_model(self, model: CausalLM | None = None) -> None:
+        """Load the checkpoint named by ``ModelConfig.model``, or take a built model."""
+        start = time.perf_counter()
+        if model is None:
+            if self.model_config.model is None:
+                raise ValueError("ModelConfig.model names no checkpoint directory, and no model was given.")
+            model, _ = load_model(self.model_config.model, dtype=self.model_config.dtype)
+        self.model = model
+        self.model_arch: TransformerConfig = model.config
+        self.vocab_size = self.model_arch.vocab_size
+        self.max_model_len = self.model_config.max_model_len or self.model_arch.max_position_embeddings
+        self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self._graphdef, self.params = nnx.split(model)
+        cache_dtype = self.cache_config.cache_dtype
+        kv_dtype = model.dtype if cache_dtype == "auto" else jnp.dtype(cache_dtype)
+        self.kv_cache_spec = KVCacheSpec(
+            num_layers=self.model_arch.num_layers,
+            block_size=self.block_size,
+            num_kv_heads=self.model_arch.num_kv_heads,
+            head_dim=self.model_arch.head_dim,
+            dtype=kv_dtype,
+        )
+        self.req_states = RequestState(
+            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.model_config.seed
+        )
+        self.block_tables = BlockTables(self.max_num_reqs, self.max_blocks_per_req, self.block_size)
+        self.device_state = DeviceState.zeros(
+            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req
+        )
+        self._build_programs()
+        logger.info("Model loaded in %.1f s", time.perf_counter() - start)
+
+    def profile_run(self) -> int:
+        """Activation bytes of the largest steps, from XLA's memory analysis of their programs."""
+        forward = self._lower_forward(self.token_buckets[-1], _PROFILE_NUM_BLOCKS).compile()
+        sample = self._sample_programs.get(self.request_buckets[-1])
+        total = 0
+        for program in (forward, sample):
+            analysis = program.memory_analysis()
+            total += int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+        return total
+
+    def initialize_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Allocate the KV cache, sized from free memory after a profile run unless given."""
+        if num_blocks is None:
+            num_blocks = determine_num_blocks(
+                self.kv_cache_spec,
+                self.cache_config,
+                self.device,
+                activation_bytes=self.profile_run(),
+                max_useful_blocks=self.max_num_reqs * self.max_blocks_per_req + 1,
+            )
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks)
+        logger.info("KV cache: %s", kv_cache_capacity(self.kv_cache_spec, num_blocks))
+        return num_blocks
+
+    def capture_model(self) -> float:
+        """Precompile every bucket (the counterpart of CUDA graph capture); returns seconds."""
+        start = time.perf_counter()
+        jobs = [(self._forward_programs, b) for b in self.token_buckets]
+        jobs += [(self._sample_programs, b) for b in self.request_buckets]
+        jobs += [(self._write_programs, b) for b in self.request_buckets]
+        for programs, bucket in tqdm(jobs, desc="Precompiling buckets", leave=False):
+            programs.get(bucket)
+        return time.perf_counter() - start
+
+    @property
+    def num_compiled_programs(self) -> int:
+        return sum(
+            p.num_compiled for p in (self._forward_programs, self._sample_programs, self._write_programs)
+        )
+
+    # ---------------------------------------------------------------- programs
+
+    def _step_shape(self, num_tokens: int) -> StepShape:
+        num_reqs = min(num_tokens, self.max_num_reqs)
+        capacity = BlockTables.append_capacity(num_tokens, num_reqs, self.block_size)
+        return StepShape(num_tokens=num_tokens, num_reqs=num_reqs, append_capacity=capacity)
+
+    def _abstract(self, tree: Any) -> Any:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+    def _build_programs(self) -> None:
+        graphdef, block_size = self._graphdef, self.block_size
+
+        def forward(params, kv_caches, state, step_buffer, *, shape: StepShape):
+            model = nnx.merge(graphdef, params)
+            state, input_ids, positions, metadata, rows = prepare_inputs(
+                state, step_buffer, shape, block_size
+            )
+            hidden, kv_caches = model(input_ids, positions, kv_caches, metadata)
+            sample_hidden = hidden[logits_indices(metadata)]
+            pad = self.max_num_reqs - shape.num_reqs
+            sample_hidden = jnp.pad(sample_hidden, ((0, pad), (0, 0)))
+            return kv_caches, state, sample_hidden, rows
+
+        def sample(params, sample_hidden, rows, state, *, num_rows: int):
+            model = nnx.merge(graphdef, params)
+            logits = model.compute_logits(sample_hidden[:num_rows])
+            head = jax.tree.map(lambda a: a[:num_rows], rows)
+            tokens = sample_tokens(logits, state.sampling, head.idx_mapping, head.positions)
+            return post_update(state, rows, tokens), tokens
+
+        self._forward_fn = forward
+        self._forward_programs = CompiledPrograms(
+            "forward", lambda b: self._lower_forward(b, self.num_blocks)
+        )
+        sample_jit = jax.jit(sample, static_argnames="num_rows", donate_argnums=(3,))
+        write_jit = jax.jit(write_new_requests, donate_argnums=(0,))
+        hidden_spec = jax.ShapeDtypeStruct((self.max_num_reqs, self.model_arch.hidden_size), self.model.dtype)
+        rows_spec = self._abstract(
+            SampleRows(
+                idx_mapping=jnp.zeros(self.max_num_reqs, jnp.int32),
+                num_scheduled=jnp.zeros(self.max_num_reqs, jnp.int32),
+                positions=jnp.zeros(self.max_num_reqs, jnp.int32),
+                is_sampling=jnp.zeros(self.max_num_reqs, jnp.bool_),
+            )
+        )
+        self._sample_programs = CompiledPrograms(
+            "sample",
+            lambda b: sample_jit.lower(
+                self._abstract(self.params), hidden_spec, rows_spec,
+                self._abstract(self.device_state), num_rows=b,
+            ),
+        )
+        self._write_programs = CompiledPrograms(
+            "write_new_requests",
+            lambda b: write_jit.lower(
+                self._abstract(self.device_state),
+                jax.ShapeDtypeStruct((b, self.req_states.row_words), jnp.int32),
+            ),
+        )
+
+    def _lower_forward(self, num_tokens: int, num_blocks: int) -> jax.stages.Lowered:
+        shape = self._step_shape(num_tokens)
+        forward_jit = jax.jit(
+            functools.partial(self._forward_fn, shape=shape), donate_argnums=(1, 2)
+        )
+        return forward_jit.lower(
+            self._abstract(self.params),
+            self.kv_cache_spec.abstract(num_blocks),
+            self._abstract(self.device_state),
+            jax.ShapeDtypeStruct((shape.buffer_words,), jnp.int32),
+        )
+
+    # ------------------------------------------------------------ request state
+
+    def finish_requests(self, scheduler_output: SchedulerOutput) -> None:
+        done = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        for req_id in done:
+            slot = self.req_states.req_id_to_index.get(req_id)
+            if slot is not None:
+                self.block_tables.clear(slot)
+                self.req_states.remove_request(req_id)
+
+    def add_requests(self, scheduler_output: SchedulerOutput) -> None:
+        for new_req in scheduler_output.scheduled_new_reqs:
+            slot = self.req_states.add_request(new_req)
+            block_ids = new_req.block_ids[0] if new_req.block_ids else []
+            self.block_tables.append_block_ids(slot, list(block_ids), overwrite=True)
+        num_new = self.req_states.num_staged
+        if num_new:
+            bucket = pad_to_bucket(num_new, self.request_buckets, "new requests")
+            rows = self.req_states.take_staged_rows(bucket)
+            self.device_state = self._write_programs.get(bucket)(self.device_state, rows)
+
+    def update_requests(self, scheduler_output: SchedulerOutput) -> None:
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
+            if new_block_ids is None:
+                continue
+            slot = self._slot_of(req_id)
+            self.block_tables.append_block_ids(slot, list(new_block_ids[0]), overwrite=False)
+
+    def _slot_of(self, req_id: str) -> int:
+        slot = self.req_states.req_id_to_index.get(req_id)
+        if slot is None:
+            raise ValueError(
+                f"Request {req_id!r} is scheduled but not on the runner; schedule it first as a new request."
+            )
+        return slot
+
+    # ------------------------------------------------------------------- steps
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[InputBatch, np.ndarray]:
+        """Order the batch (decodes first), pick buckets and pack the step buffer."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        req_ids = sorted(scheduled, key=lambda r: scheduled[r])
+        num_scheduled = np.array([scheduled[r] for r in req_ids], np.int32)
+        idx_mapping = np.array([self._slot_of(r) for r in req_ids], np.int32)
+        num_tokens = int(num_scheduled.sum())
+        if num_tokens != scheduler_output.total_num_scheduled_tokens:
+            raise ValueError(
+                f"total_num_scheduled_tokens ({scheduler_output.total_num_scheduled_tokens}) differs "
+                f"from the sum of num_scheduled_tokens ({num_tokens})."
+            )
+        if np.any(num_scheduled < 1):
+            raise ValueError("Every request in num_scheduled_tokens must be scheduled at least one token.")
+        computed = self.req_states.num_computed_tokens[idx_mapping]
+        seq_lens = computed + num_scheduled
+        if np.any(seq_lens > self.max_model_len):
+            bad = req_ids[int(np.argmax(seq_lens > self.max_model_len))]
+            raise ValueError(
+                f"Request {bad!r} would reach {int(seq_lens.max())} tokens, past max_model_len "
+                f"({self.max_model_len})."
+            )
+        token_bucket = pad_to_bucket(num_tokens, self.token_buckets, "tokens")
+        request_bucket = pad_to_bucket(len(req_ids), self.request_buckets, "requests")
+        shape = self._step_shape(token_bucket)
+        appends = self.block_tables.take_staged(shape.append_capacity)
+        buffer = pack_step_buffer(shape, idx_mapping, num_scheduled, appends, self.max_num_reqs)
+        is_sampling = seq_lens >= self.req_states.prefill_len[idx_mapping]
+        batch = InputBatch(
+            req_ids=req_ids,
+            idx_mapping_np=idx_mapping,
+            num_scheduled_tokens=num_scheduled,
+            num_tokens=num_tokens,
+            num_tokens_after_padding=token_bucket,
+            num_reqs_after_padding=request_bucket,
+            is_sampling_np=is_sampling,
+        )
+        return batch, buffer
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Update request state and dispatch the forward step; ``sample_tokens`` finishes it."""
+        if self.kv_caches is None:
+            raise RuntimeError("initialize_kv_cache() must run before execute_model().")
+        self.finish_requests(scheduler_output)
+        self.add_requests(scheduler_output)
+        self.update_requests(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.make_empty()
+        batch, buffer = self.prepare_inputs(scheduler_output)
+        program = self._forward_programs.get(batch.num_tokens_after_padding)
+        self.kv_caches, self.device_state, sample_hidden, rows = program(
+            self.params, self.kv_caches, self.device_state, buffer
+        )
+        self.execute_model_state = (batch, sample_hidden, rows)
+        return None
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Sample the step dispatched by ``execute_model`` and return its output."""
+        if self.execute_model_state is None:
+            raise RuntimeError("sample_tokens() called without a preceding execute_model().")
+        if grammar_output is not None:
+            raise NotImplementedError("Structured outputs (grammar bitmasks) are not supported yet.")
+        batch, sample_hidden, rows = self.execute_model_state
+        self.execute_model_state = None
+        program = self._sample_programs.get(batch.num_reqs_after_padding)
+        self.device_state, tokens = program(self.params, sample_hidden, rows, self.device_state)
+        self.req_states.num_computed_tokens[batch.idx_mapping_np] += batch.num_scheduled_tokens
+        tokens_np = np.asarray(tokens)[: batch.num_reqs]
+        sampled = [
+            [int(t)] if s else [] for t, s in zip(tokens_np, batch.is_sampling_np)
+        ]
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            sampled_token_ids=sampled,
+        )

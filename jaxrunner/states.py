@@ -1,0 +1,152 @@
+"""Per-request runner state: slots on the host, the arrays they index on the device.
+
+Every request the runner holds owns one slot (a row) in the device arrays.
+The host keeps the slot bookkeeping and the few numbers it needs to build
+outputs; prompts, counts and the last sampled tokens live on the device and
+are advanced there by the step itself, so decode inputs never come from the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+from jaxrunner.interfaces import NewRequestData
+from jaxrunner.sample.sampling_state import NUM_SAMPLING_WORDS, SamplingArrays, pack_sampling_params
+
+# Words before the block ids in a packed new-request row:
+# slot, prefill_len, num_computed_tokens, then the sampling parameters.
+_HEADER_WORDS = 3 + NUM_SAMPLING_WORDS
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DeviceState:
+    """All per-request device arrays, donated to and returned by every step."""
+
+    prefill_token_ids: Int[Array, "max_reqs max_model_len"]
+    prefill_len: Int[Array, "max_reqs"]
+    num_computed_tokens: Int[Array, "max_reqs"]
+    last_sampled_tokens: Int[Array, "max_reqs"]
+    block_table: Int[Array, "max_reqs max_blocks"]
+    sampling: SamplingArrays
+
+    @classmethod
+    def zeros(cls, max_num_reqs: int, max_model_len: int, max_blocks: int) -> DeviceState:
+        return cls(
+            prefill_token_ids=jnp.zeros((max_num_reqs, max_model_len), jnp.int32),
+            prefill_len=jnp.zeros(max_num_reqs, jnp.int32),
+            num_computed_tokens=jnp.zeros(max_num_reqs, jnp.int32),
+            last_sampled_tokens=jnp.zeros(max_num_reqs, jnp.int32),
+            block_table=jnp.zeros((max_num_reqs, max_blocks), jnp.int32),
+            sampling=SamplingArrays.zeros(max_num_reqs),
+        )
+
+
+def write_new_requests(state: DeviceState, rows: Int[Array, "n row_words"]) -> DeviceState:
+    """Scatter packed new-request rows into their slots; padding rows (slot -1) are dropped.
+
+    A row is ``[slot, prefill_len, num_computed, sampling words, block ids, prefill tokens]``.
+    """
+    max_num_reqs, max_blocks = state.block_table.shape
+    slots = jnp.where(rows[:, 0] < 0, max_num_reqs, rows[:, 0])
+    blocks_end = _HEADER_WORDS + max_blocks
+    tokens = rows[:, blocks_end:]
+    return DeviceState(
+        prefill_token_ids=state.prefill_token_ids.at[slots].set(tokens, mode="drop"),
+        prefill_len=state.prefill_len.at[slots].set(rows[:, 1], mode="drop"),
+        num_computed_tokens=state.num_computed_tokens.at[slots].set(rows[:, 2], mode="drop"),
+        last_sampled_tokens=state.last_sampled_tokens,
+        block_table=state.block_table.at[slots].set(rows[:, _HEADER_WORDS:blocks_end], mode="drop"),
+        sampling=state.sampling.write_rows(slots, rows[:, 3:_HEADER_WORDS]),
+    )
+
+
+class RequestState:
+    """Slot bookkeeping on the host, and the packing of new requests for the device."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks: int, seed: int):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.max_blocks = max_blocks
+        self.req_id_to_index: dict[str, int] = {}
+        self.index_to_req_id: dict[int, str] = {}
+        self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+        self.prompt_len = np.zeros(max_num_reqs, np.int32)
+        self.prefill_len = np.zeros(max_num_reqs, np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
+        self._seed_rng = random.Random(seed)
+        self._staged_rows: list[np.ndarray] = []
+
+    @property
+    def row_words(self) -> int:
+        return _HEADER_WORDS + self.max_blocks + self.max_model_len
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    def add_request(self, new_req: NewRequestData) -> int:
+        """Give a request a slot and stage its row; checks what the device cannot."""
+        req_id = new_req.req_id
+        tokens = new_req.prefill_token_ids
+        if req_id in self.req_id_to_index:
+            raise ValueError(f"Request {req_id!r} is already running; finish it before re-adding it.")
+        if not tokens:
+            raise ValueError(f"Request {req_id!r} has an empty prompt; give it at least one token.")
+        if len(tokens) > self.max_model_len:
+            raise ValueError(
+                f"Request {req_id!r} has {len(tokens)} prompt tokens, more than max_model_len "
+                f"({self.max_model_len}). Shorten the prompt or raise ModelConfig.max_model_len."
+            )
+        block_ids = new_req.block_ids[0] if new_req.block_ids else []
+        if len(block_ids) > self.max_blocks:
+            raise ValueError(
+                f"Request {req_id!r} has {len(block_ids)} KV blocks, more than the "
+                f"{self.max_blocks} that max_model_len allows."
+            )
+        if not self._free_slots:
+            raise ValueError(
+                f"No free request slot for {req_id!r}: {self.max_num_reqs} requests are running "
+                "(SchedulerConfig.max_num_seqs)."
+            )
+        slot = self._free_slots.pop()
+        self.req_id_to_index[req_id] = slot
+        self.index_to_req_id[slot] = req_id
+        self.prompt_len[slot] = len(new_req.prompt_token_ids)
+        self.prefill_len[slot] = len(tokens)
+        self.num_computed_tokens[slot] = new_req.num_computed_tokens
+
+        row = np.zeros(self.row_words, np.int32)
+        row[:3] = (slot, len(tokens), new_req.num_computed_tokens)
+        row[3:_HEADER_WORDS] = pack_sampling_params(new_req.sampling_params, self._seed_rng)
+        row[_HEADER_WORDS : _HEADER_WORDS + len(block_ids)] = block_ids
+        row[_HEADER_WORDS + self.max_blocks : _HEADER_WORDS + self.max_blocks + len(tokens)] = tokens
+        self._staged_rows.append(row)
+        return slot
+
+    def remove_request(self, req_id: str) -> None:
+        slot = self.req_id_to_index.pop(req_id, None)
+        if slot is None:
+            return
+        del self.index_to_req_id[slot]
+        self._free_slots.append(slot)
+
+    def take_staged_rows(self, num_rows: int) -> np.ndarray | None:
+        """The staged rows padded to ``num_rows`` (padding slot -1), or None if none are staged."""
+        if not self._staged_rows:
+            return None
+        rows = np.zeros((num_rows, self.row_words), np.int32)
+        rows[:, 0] = -1
+        rows[: len(self._staged_rows)] = self._staged_rows
+        self._staged_rows = []
+        return rows
+
+    @property
+    def num_staged(self) -> int:
+        return len(self._staged_rows)
