@@ -1,0 +1,145 @@
+"""Drives a ModelRunner with hand-built SchedulerOutputs, for the runner tests.
+
+A deliberately small scheduler: decodes first, then prefills chunked to a
+token budget, KV blocks handed out from a shuffled free list (so block tables
+are non-contiguous), requests finished after ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from jaxrunner.model_runner import ModelRunner
+
+
+def make_runner(
+    model,
+    *,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    token_buckets: list[int] | None = None,
+    request_buckets: list[int] | None = None,
+    num_blocks: int = 128,
+    block_size: int = 16,
+    max_model_len: int = 256,
+    cache_dir: str = "",
+) -> ModelRunner:
+    config = RunnerConfig(
+        model_config=ModelConfig(max_model_len=max_model_len, dtype=str(model.dtype)),
+        cache_config=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        ),
+        compilation_config=CompilationConfig(
+            token_buckets=token_buckets, request_buckets=request_buckets, cache_dir=cache_dir
+        ),
+    )
+    runner = ModelRunner(config)
+    runner.load_model(model)
+    runner.initialize_kv_cache()
+    return runner
+
+
+@dataclasses.dataclass
+class _Request:
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    started: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+
+class HandScheduler:
+    """Continuous batching over a runner, with chunked prefill under a token budget."""
+
+    def __init__(self, runner: ModelRunner, token_budget: int, seed: int = 0, max_chunk: int | None = None):
+        self.runner = runner
+        self.token_budget = token_budget
+        self.max_chunk = max_chunk
+        self.block_size = runner.block_size
+        self.rng = random.Random(seed)
+        self.free_blocks = list(range(runner.num_blocks))
+        self.rng.shuffle(self.free_blocks)
+        self.waiting: list[_Request] = []
+        self.running: list[_Request] = []
+        self.finished: dict[str, list[int]] = {}
+        self._to_free: set[str] = set()
+
+    def add(self, req_id: str, prompt: list[int], params: SamplingParams, max_tokens: int) -> None:
+        self.waiting.append(_Request(req_id, list(prompt), params, max_tokens))
+
+    def _grow(self, req: _Request, num_tokens: int) -> list[int]:
+        need = -(-num_tokens // self.block_size) - len(req.blocks)
+        new = [self.free_blocks.pop() for _ in range(max(need, 0))]
+        req.blocks += new
+        return new
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.token_budget
+        num_scheduled: dict[str, int] = {}
+        new_reqs, cached = [], CachedRequestData()
+        max_reqs = self.runner.max_num_reqs
+        while self.waiting and len(self.running) < max_reqs:
+            self.running.append(self.waiting.pop(0))
+        # Decodes first, then prefill chunks, as vLLM orders them.
+        order = sorted(self.running, key=lambda r: r.num_computed < len(r.prompt))
+        for req in order:
+            if budget == 0:
+                break
+            remaining = req.num_tokens - req.num_computed
+            chunk = min(remaining, budget, self.max_chunk or remaining)
+            new_blocks = self._grow(req, req.num_computed + chunk)
+            if not req.started:
+                new_reqs.append(
+                    NewRequestData(req.req_id, req.prompt, req.params, (list(req.blocks),), req.num_computed)
+                )
+                req.started = True
+            else:
+                cached.req_ids.append(req.req_id)
+                cached.num_computed_tokens.append(req.num_computed)
+                cached.new_block_ids.append((new_blocks,) if new_blocks else None)
+            num_scheduled[req.req_id] = chunk
+            budget -= chunk
+        finished, self._to_free = self._to_free, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished,
+        )
+
+    def step(self) -> None:
+        scheduler_output = self.schedule()
+        self.runner.execute_model(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return
+        output = self.runner.sample_tokens(None)
+        by_id = {r.req_id: r for r in self.running}
+        for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
+            req = by_id[req_id]
+            req.num_computed += scheduler_output.num_scheduled_tokens[req_id]
+            req.output += tokens
+            if len(req.output) >= req.max_tokens:
+                self.running.remove(req)
+                self.free_blocks += req.blocks
+                self.finished[req_id] = req.output
+                self._to_free.add(req_id)
+
+    def run(self, max_steps: int = 10_000) -> dict[str, list[int]]:
+        for _ in range(max_steps):
+            if not (self.waiting or self.running):
+                self.runner.execute_model(self.schedule())  # deliver the last finished ids
+                return self.finished
+            self.step()
+        raise RuntimeError("requests did not finish")
