@@ -1,0 +1,163 @@
+"""Decode step time of a Llama-3-8B-shaped model against its bandwidth floor.
+
+Measures, in one run: the copy bandwidth and bf16 matmul rate of the device
+(the floors), then the runner's full decode step (execute_model + sample_tokens,
+host work included) at each batch x context, with random bf16 weights and a
+randomly filled KV cache. The floor of a step is the bytes it must read, the
+weights plus every request's KV, over the measured copy bandwidth.
+
+    python benchmarks/decode_step.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from jaxrunner.model_runner import ModelRunner
+from jaxrunner.models import TransformerConfig, init_random_model
+from jaxrunner.models.transformer import Llama3RopeScaling
+
+LLAMA3_8B = TransformerConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+    num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=8192),
+    max_position_embeddings=131072,
+)
+# A few-layer stand-in to check the script itself on a CPU.
+TINY = TransformerConfig(
+    vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192,
+)
+SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn().block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn().block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_floors(elements: int) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, on random data."""
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (elements,), jnp.bfloat16)
+    double = jax.jit(lambda a: a * 2)
+    t_copy = median_seconds(lambda: double(x), 20)
+    del x
+    n = 8192 if elements >= 1 << 28 else 1024
+    a = jax.random.normal(key, (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    matmul = jax.jit(lambda p, q: p @ q)
+    t_mm = median_seconds(lambda: matmul(a, b), 10)
+    return {"copy_bytes_per_s": 2 * 2 * elements / t_copy, "matmul_flops_per_s": 2 * n**3 / t_mm}
+
+
+def fill_random(kv_caches):
+    fill = jax.jit(lambda c, k: jax.random.normal(k, c.shape, c.dtype), donate_argnums=0)
+    key = jax.random.key(2)
+    out = []
+    for i, (k, v) in enumerate(kv_caches):
+        out.append((fill(k, jax.random.fold_in(key, 2 * i)), fill(v, jax.random.fold_in(key, 2 * i + 1))))
+    return out
+
+
+def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng) -> list[float]:
+    """Seconds per decode step for ``batch`` requests at ``context`` tokens each."""
+    blocks_per_req = -(-(context + steps + 1) // runner.block_size)
+    pool = rng.permutation(runner.num_blocks)
+    new_reqs, ids = [], [f"b{batch}c{context}r{i}" for i in range(batch)]
+    for i, req_id in enumerate(ids):
+        prompt = rng.integers(0, runner.vocab_size, context).tolist()
+        blocks = pool[i * blocks_per_req : (i + 1) * blocks_per_req].tolist()
+        # As after a prefix-cache hit: all but the last prompt token are in the cache.
+        new_reqs.append(NewRequestData(req_id, prompt, SamplingParams(temperature=0.0), (blocks,), context - 1))
+    one_each = {r: 1 for r in ids}
+    first = SchedulerOutput(new_reqs, CachedRequestData(), dict(one_each), batch)
+    runner.execute_model(first)
+    runner.sample_tokens(None)
+    times = []
+    for step in range(steps):
+        cached = CachedRequestData(ids, [context + step] * batch, [None] * batch)
+        so = SchedulerOutput([], cached, dict(one_each), batch)
+        start = time.perf_counter()
+        runner.execute_model(so)
+        runner.sample_tokens(None)
+        times.append(time.perf_counter() - start)
+    runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(ids)))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--floor-elements", type=int, default=1 << 30, help="bf16 elements of the copy test (2 GiB)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--out", default="decode_step.json")
+    args = parser.parse_args()
+
+    device = jax.devices()[0]
+    floors = measure_floors(args.floor_elements)
+    max_batch, max_context = max(args.batches), max(args.contexts)
+    max_model_len = max_context + args.steps + 16
+    config = RunnerConfig(
+        model_config=ModelConfig(dtype="bfloat16", max_model_len=max_model_len),
+        cache_config=CacheConfig(
+            num_gpu_blocks_override=max_batch * (-(-max_model_len // 16)) + 16
+        ),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_batch),
+        compilation_config=CompilationConfig(token_buckets=sorted(set(args.batches)),
+                                             request_buckets=sorted(set(args.batches))),
+    )
+    runner = ModelRunner(config)
+    start = time.perf_counter()
+    model = init_random_model(SHAPES[args.shape], dtype="bfloat16", seed=0)
+    runner.load_model(model)
+    del model
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
+    runner.initialize_kv_cache()
+    runner.kv_caches = fill_random(runner.kv_caches)
+    load_s = time.perf_counter() - start
+    compile_s = runner.capture_model()
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in args.batches:
+        for context in args.contexts:
+            times = time_decode(runner, batch, context, args.steps, rng)
+            step = statistics.median(times[3:])
+            kv_bytes = batch * (context + 1) * runner.kv_cache_spec.bytes_per_block / runner.block_size
+            floor = (weight_bytes + kv_bytes) / floors["copy_bytes_per_s"]
+            rows.append(dict(batch=batch, context=context, step_ms=step * 1e3, floor_ms=floor * 1e3,
+                             ratio=step / floor, tokens_per_s=batch / step))
+    result = dict(device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                  weight_gb=weight_bytes / 1e9, load_s=load_s, precompile_s=compile_s,
+                  programs=runner.num_compiled_programs, **floors, rows=rows)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"device {device.device_kind}, jax {jax.__version__}, weights {weight_bytes / 1e9:.2f} GB, "
+          f"load {load_s:.0f} s, precompile {compile_s:.0f} s ({runner.num_compiled_programs} programs)")
+    print(f"copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {floors['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'ratio':>6} {'tok/s':>8}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
+              f"{r['ratio']:>6.2f} {r['tokens_per_s']:>8.0f}")
+
+
+if __name__ == "__main__":
+    main()

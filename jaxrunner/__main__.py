@@ -1,0 +1,3 @@
+from jaxrunner.cli import main
+
+main()
