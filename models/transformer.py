@@ -1,0 +1,326 @@
+"""The Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3) in Flax NNX.
+
+One configurable module covers the family: the members differ only in RoPE
+scaling, q/k/v biases, per-head q/k RMSNorm and sliding-window attention.
+Module and parameter names follow HuggingFace's (``model.layers[i].self_attn.
+q_proj``...), with Flax leaves: a Linear's ``kernel`` is HF's ``weight``
+transposed to ``[in, out]``, an Embed's ``embedding`` is HF's ``weight``.
+
+Tokens of all requests are packed along one axis; the paged KV cache and the
+``AttentionMetadata`` say where each token's keys and values live.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxrunner.ops import AttentionMetadata, ragged_paged_attention, write_kv
+
+KVCache = tuple[Array, Array]
+"""One layer's ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE scaling (HF ``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """The shape and variant flags of a Llama-family decoder.
+
+    ``layer_types`` (HF's per-layer ``"full_attention"``/``"sliding_attention"``)
+    is None when every layer uses ``sliding_window`` (itself None for full
+    attention), as in Llama and Mistral.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.layer_types is not None and (
+            len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(_LAYER_TYPES)
+        ):
+            raise ValueError(f"layer_types must be {self.num_layers} entries of {_LAYER_TYPES}, got {self.layer_types}")
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, or None where it attends to the whole sequence."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "TransformerConfig":
+        """Reads a transformers config of a Llama, Mistral, Qwen2 or Qwen3 model."""
+        model_type = getattr(hf_config, "model_type", None)
+        rope_theta, rope_scaling = _rope_from_hf(hf_config)
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        if model_type == "qwen2":  # Qwen2 always has q/k/v biases and no o_proj bias.
+            attention_bias, o_proj_bias = True, False
+        else:
+            attention_bias = o_proj_bias = bool(getattr(hf_config, "attention_bias", False))
+        sliding_window = getattr(hf_config, "sliding_window", None)
+        layer_types = None
+        if hasattr(hf_config, "use_sliding_window"):  # Qwen2/3: a window only where enabled.
+            if not hf_config.use_sliding_window:
+                sliding_window = None
+            elif sliding_window is not None:
+                layer_types = _qwen_layer_types(hf_config)
+        return cls(
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=o_proj_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            hidden_act=hf_config.hidden_act,
+        )
+
+
+def _rope_from_hf(hf_config: Any) -> tuple[float, Llama3RopeScaling | None]:
+    """RoPE theta and scaling from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    rope_type = params.get("rope_type", params.get("type"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type == "llama3":
+        return float(theta), Llama3RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: 'default', 'llama3')")
+
+
+def _qwen_layer_types(hf_config: Any) -> tuple[str, ...]:
+    """Qwen's per-layer attention types; layers from ``max_window_layers`` on slide when HF lists none."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return tuple(layer_types)
+    return tuple(
+        "sliding_attention" if i >= hf_config.max_window_layers else "full_attention"
+        for i in range(hf_config.num_hidden_layers)
+    )
+
+
+def rope_inv_freq(config: TransformerConfig) -> np.ndarray:
+    """The ``head_dim / 2`` inverse RoPE frequencies (float32), with Llama 3 scaling if configured."""
+    exponents = np.arange(0, config.head_dim, 2, dtype=np.float32) / config.head_dim
+    inv_freq = (1.0 / config.rope_theta**exponents).astype(np.float32)
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band in between interpolated.
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    scaled = np.where((wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen), interpolated, scaled)
+    return scaled.astype(np.float32)
+
+
+def apply_rope(
+    x: Float[Array, "T N D"], cos: Float[Array, "T D/2"], sin: Float[Array, "T D/2"]
+) -> Float[Array, "T N D"]:
+    """Rotates pairs ``(x[i], x[i + D/2])`` (HF's rotate-half layout), in float32."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last axis, statistics in float32."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype, param_dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.weight[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention over the paged KV cache, with RoPE and optional q/k norm."""
+
+    def __init__(self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        linear = functools.partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = linear(config.hidden_size, q_dim, use_bias=config.attention_bias)
+        self.k_proj = linear(config.hidden_size, kv_dim, use_bias=config.attention_bias)
+        self.v_proj = linear(config.hidden_size, kv_dim, use_bias=config.attention_bias)
+        self.o_proj = linear(q_dim, config.hidden_size, use_bias=config.o_proj_bias)
+        norm = functools.partial(RMSNorm, config.head_dim, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.q_norm = norm() if config.qk_norm else None
+        self.k_norm = norm() if config.qk_norm else None
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.sliding_window = config.layer_sliding_window(layer)
+
+    def __call__(
+        self,
+        x: Float[Array, "T E"],
+        cos: Float[Array, "T D/2"],
+        sin: Float[Array, "T D/2"],
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[Float[Array, "T E"], KVCache]:
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = write_kv(*kv_cache, k, v, metadata.slot_mapping)
+        out = ragged_paged_attention(
+            q, k_cache, v_cache, metadata, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window
+        )
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_cache, v_cache)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        linear = functools.partial(
+            nnx.Linear, use_bias=config.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.gate_proj = linear(config.hidden_size, config.intermediate_size)
+        self.up_proj = linear(config.hidden_size, config.intermediate_size)
+        self.down_proj = linear(config.intermediate_size, config.hidden_size)
+
+    def __call__(self, x: Float[Array, "T E"]) -> Float[Array, "T E"]:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = norm()
+        self.self_attn = Attention(config, layer, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = norm()
+        self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata):
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+
+class Backbone(nnx.Module):
+    """HF's ``model``: token embedding, decoder layers and the final norm."""
+
+    def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for i in range(config.num_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+
+
+class CausalLM(nnx.Module):
+    """A Llama-family causal LM over packed tokens and a paged KV cache.
+
+    ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the
+    weights (default: ``dtype``). Norm statistics, RoPE and logits are float32.
+    """
+
+    def __init__(self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+        param_dtype = dtype if param_dtype is None else param_dtype
+        self.config = config
+        self.dtype = dtype
+        self.model = Backbone(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nnx.Linear(
+                config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            )
+        )
+
+    def __call__(
+        self,
+        input_ids: Int[Array, "T"],
+        positions: Int[Array, "T"],
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> tuple[Float[Array, "T E"], list[KVCache]]:
+        """Hidden states after the final norm, and every layer's updated KV cache."""
+        angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(self.config)[None, :]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        x = self.model.embed_tokens(input_ids)
+        new_caches = []
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, kv_cache = layer(x, cos, sin, kv_cache, metadata)
+            new_caches.append(kv_cache)
+        return self.model.norm(x), new_caches
+
+    def compute_logits(self, hidden: Float[Array, "N E"]) -> Float[Array, "N V"]:
+        """Vocabulary logits in float32 (through the embedding when tied)."""
+        if self.lm_head is None:
+            weight, spec = self.model.embed_tokens.embedding[...], "ne,ve->nv"
+        else:
+            weight, spec = self.lm_head.kernel[...], "ne,ev->nv"
+        return jnp.einsum(spec, hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=jnp.float32)

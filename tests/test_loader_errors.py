@@ -1,0 +1,122 @@
+"""Bad checkpoints and configs fail loudly, naming the file, shard or tensor at fault."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import safetensors.torch
+import torch
+from hf_models import save_tiny_hf_model, tiny_hf_config
+
+from jaxrunner.models import CheckpointError, TransformerConfig, load_model, supported_architectures
+from jaxrunner.models.safetensors_io import iter_tensors
+
+SMALL = dict(num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def saved_dirs(tmp_path_factory) -> dict[str, Path]:
+    """One single-file and one sharded tiny Llama checkpoint, saved once for the module."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    save_tiny_hf_model("llama", root / "single", **SMALL)
+    save_tiny_hf_model("llama", root / "sharded", max_shard_size="100KB", **SMALL)
+    return {"single": root / "single", "sharded": root / "sharded"}
+
+
+@pytest.fixture
+def single(saved_dirs, tmp_path) -> Path:
+    return Path(shutil.copytree(saved_dirs["single"], tmp_path / "model"))
+
+
+@pytest.fixture
+def sharded(saved_dirs, tmp_path) -> Path:
+    return Path(shutil.copytree(saved_dirs["sharded"], tmp_path / "model"))
+
+
+def rewrite_tensors(path: Path, edit) -> None:
+    """Rewrites a safetensors file with ``edit(dict of arrays)`` applied."""
+    tensors = safetensors.numpy.load_file(path)
+    edit(tensors)
+    safetensors.numpy.save_file(tensors, path)
+
+
+def test_unknown_architecture_names_it_and_lists_supported(single):
+    config_path = single / "config.json"
+    config = json.loads(config_path.read_text())
+    config["architectures"] = ["FancyNewForCausalLM"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="FancyNewForCausalLM") as info:
+        load_model(single)
+    assert all(name in str(info.value) for name in supported_architectures())
+
+
+def test_truncated_file_names_the_file(single):
+    path = single / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated"):
+        load_model(single)
+
+
+def test_header_that_is_not_json_names_the_file(single):
+    path = single / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8] = ord("#")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*not valid JSON"):
+        load_model(single)
+
+
+def test_index_naming_a_missing_shard_names_the_shard(sharded):
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (sharded / shard).unlink()
+    with pytest.raises(CheckpointError, match=shard):
+        load_model(sharded)
+
+
+def test_missing_tensor_is_named(single):
+    name = "model.layers.1.mlp.up_proj.weight"
+    rewrite_tensors(single / "model.safetensors", lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=re.escape(name)):
+        load_model(single)
+
+
+def test_unexpected_tensor_is_named(single):
+    rewrite_tensors(single / "model.safetensors", lambda t: t.update(extra=np.ones(3, np.float32)))
+    with pytest.raises(CheckpointError, match="unexpected tensor 'extra'"):
+        load_model(single)
+
+
+def test_shape_mismatch_names_the_tensor_and_file(single):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    rewrite_tensors(single / "model.safetensors", lambda t: t.update({name: t[name][:-1]}))
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors.*{re.escape(name)}.*shape"):
+        load_model(single)
+
+
+def test_unsupported_rope_type_is_named():
+    hf_config = tiny_hf_config("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(ValueError, match="dynamic"):
+        TransformerConfig.from_hf(hf_config)
+
+
+def test_qwen_sliding_window_only_when_enabled():
+    off = TransformerConfig.from_hf(tiny_hf_config("qwen2", sliding_window=6))
+    on = TransformerConfig.from_hf(tiny_hf_config("qwen3", use_sliding_window=True, sliding_window=6, max_window_layers=2))
+    assert off.sliding_window is None and off.layer_sliding_window(2) is None
+    assert [on.layer_sliding_window(i) for i in range(3)] == [None, None, 6]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32])
+def test_reader_matches_the_safetensors_library(dtype, tmp_path):
+    path = tmp_path / "t.safetensors"
+    tensors = {"a": (torch.randn(3, 5) * 100).to(dtype), "b": torch.arange(7).to(dtype), "scalar": torch.ones(()).to(dtype)}
+    safetensors.torch.save_file(tensors, path)
+    ours = dict(iter_tensors(path))
+    assert ours.keys() == tensors.keys()
+    for name, ref in tensors.items():
+        np.testing.assert_array_equal(ours[name].astype(np.float64), ref.to(torch.float64).numpy())
