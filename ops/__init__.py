@@ -1,0 +1,7 @@
+"""Device ops: paged KV-cache writes and ragged paged attention (reference + kernels)."""
+
+from jaxrunner.ops.attention import ragged_paged_attention
+from jaxrunner.ops.attention_metadata import AttentionMetadata
+from jaxrunner.ops.kv_write import write_kv
+
+__all__ = ["AttentionMetadata", "ragged_paged_attention", "write_kv"]

@@ -1,0 +1,41 @@
+"""Write the current step's keys and values into the paged KV cache."""
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+Cache = Float[Array, "num_blocks block_size num_kv_heads head_dim"]
+NewKV = Float[Array, "num_tokens num_kv_heads head_dim"]
+
+
+def _scatter_slots(cache: Cache, new: NewKV, slot_mapping: Int[Array, "num_tokens"]) -> Cache:
+    """Store ``new[t]`` at slot ``slot_mapping[t]`` of ``cache``; slot -1 is dropped.
+
+    The cache is viewed as ``[num_blocks * block_size, ...]`` (a free reshape), so a
+    slot is a row index; negative slots are sent past the end, where ``mode="drop"``
+    discards them (a plain -1 would wrap around to the last slot).
+    """
+    num_blocks, block_size = cache.shape[:2]
+    num_slots = num_blocks * block_size
+    flat = cache.reshape(num_slots, *cache.shape[2:])
+    rows = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
+    flat = flat.at[rows].set(new.astype(cache.dtype), mode="drop")
+    return flat.reshape(cache.shape)
+
+
+def write_kv(
+    k_cache: Cache,
+    v_cache: Cache,
+    k_new: NewKV,
+    v_new: NewKV,
+    slot_mapping: Int[Array, "num_tokens"],
+) -> tuple[Cache, Cache]:
+    """Scatter one layer's new K/V rows into its caches and return the updated caches.
+
+    Slot ``s`` is offset ``s % block_size`` of block ``s // block_size``; padded
+    tokens (slot -1) are never written. New values are cast to the cache dtype.
+    Under ``jit`` with the caches donated, XLA updates them in place.
+    """
+    return (
+        _scatter_slots(k_cache, k_new, slot_mapping),
+        _scatter_slots(v_cache, v_new, slot_mapping),
+    )
