@@ -32,7 +32,7 @@ def hf_greedy(path, prompt: list[int], num_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("arch", ["llama3", "mistral", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "mistral", "qwen2", "qwen3"])
 def test_greedy_tokens_match_transformers_generate(arch, tmp_path, cache_dir):
     """32 greedy tokens per prompt, prompts of different lengths, chunked prefill mixed with decodes."""
     save_tiny_hf_model(arch, tmp_path, seed=3)
