@@ -1,22 +1,133 @@
-"""The ``jaxrunner`` command line."""
+"""The ``jaxrunner`` command line: ``generate`` and ``bench``."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
+
+import numpy as np
+
+_ENGINE_FLAGS = {
+    "dtype": str, "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
+    "gpu_memory_utilization": float, "num_gpu_blocks_override": int, "seed": int,
+}
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny-llama", help="a HuggingFace checkpoint directory or a built-in name")
+    for name, kind in _ENGINE_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _make_llm(args: argparse.Namespace):
+    from jaxrunner.llm import LLM
+
+    kwargs = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    return LLM(args.model, enable_prefix_caching=not args.no_prefix_caching, **kwargs)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from jaxrunner.interfaces import SamplingParams
+
+    llm = _make_llm(args)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_tokens = 0
+    for output in outputs:
+        completion = output.outputs[0]
+        num_tokens += len(completion.token_ids)
+        if output.error:
+            print(f"error: {output.error}")
+        else:
+            print(f"{output.prompt!r} -> {completion.text!r} ({completion.finish_reason})")
+    print(f"{num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s")
+
+
+def _lengths(rng: np.random.Generator, mean: int, spread: float, count: int) -> np.ndarray:
+    """Lengths uniform in ``mean * [1 - spread, 1 + spread]`` (``spread`` 0: all equal)."""
+    low, high = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
+    return rng.integers(low, high + 1, count)
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {f"p{p}": float(np.percentile(values, p)) * 1e3 for p in (50, 90, 99)} | {
+        "mean": float(np.mean(values)) * 1e3
+    }
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from jaxrunner.interfaces import SamplingParams
+
+    llm = _make_llm(args)
+    rng = np.random.default_rng(args.workload_seed)
+    vocab = llm.llm_engine.runner.vocab_size
+    input_lens = _lengths(rng, args.input_len, args.range_ratio, args.num_prompts)
+    output_lens = _lengths(rng, args.output_len, args.range_ratio, args.num_prompts)
+    prompts = [rng.integers(0, vocab, n).tolist() for n in input_lens]
+    params = [SamplingParams(temperature=0.0 if args.greedy else 1.0, max_tokens=int(n), ignore_eos=True)
+              for n in output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    elapsed = time.perf_counter() - start
+    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_input = int(input_lens.sum())
+    ttft = [o.metrics.time_to_first_token for o in outputs if o.metrics and o.metrics.time_to_first_token]
+    tpot = [o.metrics.time_per_output_token for o in outputs if o.metrics and o.metrics.time_per_output_token]
+    manager = llm.kv_cache_manager
+    result = {
+        "model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
+        "output_len": args.output_len, "range_ratio": args.range_ratio, "elapsed_s": elapsed,
+        "requests_per_s": len(outputs) / elapsed, "output_tokens_per_s": num_output / elapsed,
+        "total_tokens_per_s": (num_input + num_output) / elapsed,
+        "ttft_ms": _percentiles(ttft), "tpot_ms": _percentiles(tpot),
+        "num_preemptions": llm.llm_engine.scheduler.num_preemptions,
+        "prefix_cache_hit_rate": manager.stats.hit_rate,
+        "kv_cache_blocks": manager.num_usable_blocks,
+    }
+    print(f"{len(outputs)} requests in {elapsed:.1f} s: {result['requests_per_s']:.2f} req/s, "
+          f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s")
+    for name in ("ttft_ms", "tpot_ms"):
+        print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in result[name].items()))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="jaxrunner", description="vLLM's model runner in JAX.")
-    commands = parser.add_subparsers(dest="command")
-    demo = commands.add_parser("demo", help="run the built-in tiny model on a batch of prompts (default)")
-    demo.add_argument("--num-prompts", type=int, default=4)
-    demo.add_argument("--prompt-len", type=int, default=24)
-    demo.add_argument("--max-tokens", type=int, default=32)
-    args = parser.parse_args(argv)
-    from jaxrunner.demo import run_demo
+    parser = argparse.ArgumentParser(prog="jaxrunner", description="vLLM's model runner and engine in JAX.")
+    commands = parser.add_subparsers(dest="command", required=True)
 
-    run_demo(
-        num_prompts=getattr(args, "num_prompts", 4),
-        prompt_len=getattr(args, "prompt_len", 24),
-        max_tokens=getattr(args, "max_tokens", 32),
-    )
+    generate = commands.add_parser("generate", help="generate text for prompts")
+    _add_engine_flags(generate)
+    generate.add_argument("--prompt", action="append", default=None, help="repeat for several prompts")
+    generate.add_argument("--max-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--sampling-seed", type=int, default=None)
+    generate.set_defaults(run=_generate)
+
+    bench = commands.add_parser("bench", help="offline throughput on a synthetic workload")
+    _add_engine_flags(bench)
+    bench.add_argument("--num-prompts", type=int, default=100)
+    bench.add_argument("--input-len", type=int, default=128)
+    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--range-ratio", type=float, default=0.0,
+                       help="lengths uniform in len * [1 - r, 1 + r]")
+    bench.add_argument("--greedy", action="store_true")
+    bench.add_argument("--workload-seed", type=int, default=0)
+    bench.add_argument("--output-json", default=None)
+    bench.add_argument("--quiet", action="store_true")
+    bench.set_defaults(run=_bench)
+
+    args = parser.parse_args(argv)
+    if args.command == "generate" and not args.prompt:
+        args.prompt = ["Hello, my name is", "The capital of France is"]
+    args.run(args)

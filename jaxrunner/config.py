@@ -46,6 +46,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -71,10 +72,11 @@ class CacheConfig:
 
 @dataclasses.dataclass
 class SchedulerConfig:
-    """Batch limits per step (vLLM's dataclass defaults)."""
+    """Batch limits per step (vLLM's dataclass defaults); long prompts are chunked across steps."""
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -1,0 +1,195 @@
+"""``LLM``: the offline entry point, as vLLM's, for scripts and notebooks."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import jax
+from tqdm.auto import tqdm
+
+from jaxrunner.builtin_models import is_builtin, load_builtin
+from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from jaxrunner.interfaces import SamplingParams
+from jaxrunner.kv_cache_manager import KVCacheManager
+from jaxrunner.llm_engine import LLMEngine
+from jaxrunner.model_runner import ModelRunner
+from jaxrunner.models import load_model
+from jaxrunner.outputs import RequestOutput
+from jaxrunner.scheduler import Scheduler
+from jaxrunner.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+# Limits sized for the backend: vLLM's H100/H200 offline defaults on a GPU;
+# on a CPU, small limits and power-of-two ladders keep start-up short.
+_GPU_LIMITS = dict(max_num_seqs=1024, max_num_batched_tokens=8192)
+_CPU_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=128)
+
+
+def _power_of_two_ladder(limit: int) -> list[int]:
+    return sorted({1 << i for i in range(limit.bit_length()) if 1 << i < limit} | {limit})
+
+
+def _checkpoint_dtype(model_dir: str) -> str:
+    """The dtype ``config.json`` names, if it is one we run, else bfloat16."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+
+
+class LLM:
+    """Generate text with a HuggingFace checkpoint directory or a built-in model.
+
+    ``LLM("tiny-llama")`` runs the built-in tiny model (random weights, a
+    byte-level tokenizer) with nothing to download. Keyword arguments set the
+    engine: ``dtype`` ("auto" takes the checkpoint's), ``max_model_len``,
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
+    ``gpu_memory_utilization``, ``num_gpu_blocks_override``,
+    ``enable_prefix_caching``, ``enable_chunked_prefill``, ``token_buckets``,
+    ``request_buckets``, ``compilation_cache_dir`` and ``seed``.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        token_buckets: list[int] | None = None,
+        request_buckets: list[int] | None = None,
+        compilation_cache_dir: str | None = None,
+        seed: int = 0,
+    ):
+        on_cpu = jax.default_backend() == "cpu"
+        limits = _CPU_LIMITS if on_cpu else _GPU_LIMITS
+        max_num_seqs = max_num_seqs or limits["max_num_seqs"]
+        max_num_batched_tokens = max_num_batched_tokens or limits["max_num_batched_tokens"]
+        if on_cpu:
+            token_buckets = token_buckets or _power_of_two_ladder(max_num_batched_tokens)
+            request_buckets = request_buckets or _power_of_two_ladder(max_num_seqs)
+        if is_builtin(model):
+            dtype = "float32" if dtype == "auto" else dtype
+            built, _, self.tokenizer = load_builtin(model, dtype=dtype, seed=seed)
+        else:
+            dtype = _checkpoint_dtype(model) if dtype == "auto" else dtype
+            built, _ = load_model(model, dtype=dtype)
+            self.tokenizer = load_tokenizer(model)
+        compilation = CompilationConfig(token_buckets=token_buckets, request_buckets=request_buckets)
+        if compilation_cache_dir is not None:
+            compilation.cache_dir = compilation_cache_dir
+        config = RunnerConfig(
+            model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache_config=CacheConfig(
+                block_size=block_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            compilation_config=compilation,
+        )
+        if not enable_chunked_prefill and (max_model_len or built.config.max_position_embeddings) > max_num_batched_tokens:
+            logger.warning(
+                "Chunked prefill is off: prompts longer than max_num_batched_tokens (%d) can never be scheduled.",
+                max_num_batched_tokens,
+            )
+        runner = ModelRunner(config)
+        runner.load_model(built)
+        num_blocks = runner.initialize_kv_cache()
+        runner.capture_model()
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
+        scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, runner.max_model_len)
+        self.llm_engine = LLMEngine(runner, scheduler, self.tokenizer)
+        self.config = config
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _add(self, prompts: Prompt | Sequence[Prompt], sampling_params) -> tuple[list[str], dict[str, RequestOutput]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, (list, tuple)):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"Got {len(sampling_params)} sampling params for {len(prompts)} prompts; give one or one each."
+            )
+        engine = self.llm_engine
+        ids, refused = [], {}
+        for prompt, params in zip(prompts, sampling_params):
+            request_id = engine.next_request_id()
+            ids.append(request_id)
+            error = engine.add_request(request_id, prompt, params)
+            if error is not None:
+                refused[request_id] = error
+        return ids, refused
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order.
+
+        A prompt the engine refuses (empty, too long, bad parameters) gets a
+        finished output whose ``error`` says why; the others still run.
+        """
+        ids, finished = self._add(prompts, sampling_params)
+        pending = len(ids) - len(finished)
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, initial=len(finished)) as bar:
+            while pending:
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        pending -= 1
+                        bar.update(1)
+        return [finished[i] for i in ids]
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield outputs as tokens arrive; each carries only the new text and token ids."""
+        ids, refused = self._add(prompts, sampling_params)
+        yield from refused.values()
+        pending = len(ids) - len(refused)
+        while pending:
+            for output in self.llm_engine.step(delta=True):
+                pending -= output.finished
+                yield output
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, rendered by the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
+        prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,0 +1,61 @@
+"""An engine request: its tokens, status and timing, as vLLM's ``Request``."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxrunner.interfaces import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH_CAPPED = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclasses.dataclass
+class Request:
+    """One sequence to generate. ``n > 1`` prompts become several of these."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # The token id or stop string that ended the request, if any.
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.is_finished else None

@@ -1,0 +1,198 @@
+"""Continuous batching: which requests run each step, and how many tokens each.
+
+vLLM V1's policy: running requests first (decodes, then the next chunk of
+unfinished prefills) in arrival order, then waiting requests, all under the
+``max_num_seqs`` and ``max_num_batched_tokens`` limits. Long prompts are split
+across steps (chunked prefill). When KV blocks run out, the most recently
+admitted running request is preempted by recompute: its blocks are freed and
+it waits at the front of the queue, to come back later as a new request with
+all its tokens. No request is ever dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable
+
+from jaxrunner.config import SchedulerConfig
+from jaxrunner.interfaces import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from jaxrunner.kv_cache_manager import KVCacheManager
+from jaxrunner.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Produces a ``SchedulerOutput`` per step and consumes the runner's ``ModelRunnerOutput``."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        # Finished since the last step: the runner frees their state next step.
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.num_scheduled_tokens_total = 0
+
+    # ------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (a stop string, an abort); frees their blocks."""
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.finished_time = time.monotonic()
+        self.kv_cache_manager.free(request.request_id)
+        self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_unfinished > 0
+
+    # ------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        preempted: set[str] = set()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
+                break
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request.request_id, request.all_token_ids, num_new, request.num_computed_tokens
+                )
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            cached.req_ids.append(request.request_id)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            cached.new_block_ids.append((new_blocks,) if new_blocks else None)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+
+        # Waiting requests only when nothing was preempted this step (as vLLM).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            tokens = request.all_token_ids
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request.request_id, tokens)
+            remaining = len(tokens) - num_computed
+            if remaining > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(remaining, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request.request_id, tokens, num_new, num_computed, computed_blocks
+            )
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            self.running.append(request)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    prefill_token_ids=tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=(self.kv_cache_manager.get_block_ids(request.request_id),),
+                    num_computed_tokens=num_computed,
+                )
+            )
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        self.num_scheduled_tokens_total += sum(num_scheduled.values())
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # --------------------------------------------------------------- update
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[tuple[Request, list[int]]]:
+        """Append sampled tokens, apply the stop conditions; returns (request, new tokens) pairs."""
+        updates = []
+        now = time.monotonic()
+        for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or not sampled or request.status != RequestStatus.RUNNING:
+                continue
+            new_tokens = []
+            for token in sampled:
+                request.output_token_ids.append(token)
+                new_tokens.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status)
+                    break
+            if request.first_token_time is None:
+                request.first_token_time = now
+            updates.append((request, new_tokens))
+        return updates
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None

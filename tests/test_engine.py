@@ -1,0 +1,184 @@
+"""The engine through ``LLM``: scheduling invariants, stop conditions, bad input, HF parity."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from hf_models import save_tiny_hf_model
+from jaxrunner.cli import main as cli_main
+from jaxrunner.interfaces import SamplingParams
+from jaxrunner.llm import LLM
+from jaxrunner.tokenizer import build_byte_tokenizer
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+LADDERS = dict(token_buckets=[8, 32, 64], request_buckets=[2, 8])
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+@pytest.fixture
+def make_llm(cache_dir):
+    """LLMs on the built-in tiny model; after the test every KV block must be free again."""
+    made = []
+
+    def make(**overrides):
+        kwargs = dict(max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=200,
+                      compilation_cache_dir=cache_dir, **LADDERS)
+        llm = LLM("tiny-llama", **{**kwargs, **overrides})
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        manager = llm.kv_cache_manager
+        assert not llm.llm_engine.has_unfinished_requests()
+        assert manager.num_free_blocks == manager.num_usable_blocks, "KV blocks leaked"
+
+
+def token_prompts(seed: int, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 250, n).tolist() for n in lengths]
+
+
+def greedy_tokens(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+PROMPTS = token_prompts(0, [5, 70, 33, 16, 1, 48, 90, 12, 27, 64])
+
+
+def test_greedy_outputs_identical_across_caching_chunking_and_preemption(make_llm):
+    baseline = greedy_tokens(make_llm(enable_prefix_caching=False), PROMPTS)
+    assert greedy_tokens(make_llm(), PROMPTS + PROMPTS[:3])[: len(PROMPTS)] == baseline
+    # No chunking: the budget must hold the longest prompt whole.
+    unchunked = make_llm(enable_chunked_prefill=False, max_num_batched_tokens=128,
+                         token_buckets=[8, 32, 64, 128])
+    assert greedy_tokens(unchunked, PROMPTS) == baseline
+    # A cache far too small for the batch forces preemption by recompute.
+    tight = make_llm(num_gpu_blocks_override=14, enable_prefix_caching=False)
+    assert greedy_tokens(tight, PROMPTS) == baseline
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_caching_hits_and_computes_fewer_tokens(make_llm):
+    shared = token_prompts(1, [64])[0]
+    prompts = [shared + tail for tail in token_prompts(2, [5, 9, 3, 7])]
+    computed = {}
+    for caching in (False, True):
+        llm = make_llm(enable_prefix_caching=caching)
+        scheduler = llm.llm_engine.scheduler
+        for prompt in prompts:  # one at a time, so later prompts find the shared blocks
+            llm.generate([prompt], GREEDY, use_tqdm=False)
+        computed[caching] = scheduler.num_scheduled_tokens_total
+        if caching:
+            assert llm.kv_cache_manager.stats.hits >= 3 * 64
+    assert computed[True] <= computed[False] - 3 * 64
+
+
+def test_generate_matches_transformers_greedy_text(tmp_path, cache_dir):
+    tokenizer = build_byte_tokenizer()
+    save_tiny_hf_model("llama", tmp_path, seed=4, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(tmp_path)
+    texts = ["Hello there", "JAX on GPUs is fast", "a"]
+    llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+              num_gpu_blocks_override=64, compilation_cache_dir=cache_dir, token_buckets=[8, 64],
+              request_buckets=[4])
+    ours = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for text, output in zip(texts, ours):
+        ids = tokenizer.encode(text)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        ref_ids = ref[0, len(ids):].tolist()
+        assert output.outputs[0].token_ids == ref_ids
+        assert output.outputs[0].text == tokenizer.decode(ref_ids, skip_special_tokens=True)
+
+
+def test_bad_requests_get_errors_while_the_rest_complete(make_llm):
+    llm = make_llm(max_model_len=128)
+    bad_params = SamplingParams(temperature=0.0)
+    bad_params.top_p = 7.0  # changed after construction: caught when the request is added
+    never = SamplingParams(temperature=0.0, max_tokens=6, stop=["\x00never-there\x00"], ignore_eos=True)
+    prompts = [PROMPTS[0], list(range(3, 200)), [], PROMPTS[1], PROMPTS[2], "plain text"]
+    params = [GREEDY, GREEDY, GREEDY, bad_params, never, GREEDY]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.error is None for o in outputs] == [True, False, False, False, True, True]
+    assert "max_model_len" in outputs[1].error
+    assert "empty" in outputs[2].error
+    assert "SamplingParams.top_p" in outputs[3].error
+    assert outputs[4].outputs[0].finish_reason == "length" and len(outputs[4].outputs[0].token_ids) == 6
+    for good in (outputs[0], outputs[5]):
+        assert good.finished and len(good.outputs[0].token_ids) == 12
+
+
+def test_stop_strings_tokens_and_lengths(make_llm):
+    llm = make_llm()
+    prompt = "Once upon a time"
+    free_run = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+    stop = free_run.text[5:8]
+    stopped = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop], ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == free_run.text[: free_run.text.index(stop)]
+    stop_id = free_run.token_ids[4]
+    by_token = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id],
+                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    first = free_run.token_ids.index(stop_id)
+    assert by_token.token_ids == free_run.token_ids[: first + 1] and by_token.stop_reason == stop_id
+    # min_tokens defers the stop token id.
+    deferred = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id],
+                                                   min_tokens=first + 2, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+    assert len(deferred.token_ids) > first + 1
+
+
+def test_n_samples_share_the_prompt_and_stream_deltas_add_up(make_llm):
+    llm = make_llm()
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    prompt = token_prompts(3, [40])[0]
+    output = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in output.outputs}) == 3
+    assert llm.kv_cache_manager.stats.hits >= 2 * 32  # children reuse the prompt's full blocks
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in output.outputs]
+
+    text_params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    whole = llm.generate(["stream me", "and me"], text_params, use_tqdm=False)
+    pieces: dict[str, list[str]] = {}
+    for delta in llm.stream(["stream me", "and me"], text_params):
+        pieces.setdefault(delta.prompt, []).append(delta.outputs[0].text)
+    for output in whole:
+        assert "".join(pieces[output.prompt]) == output.outputs[0].text
+        assert output.metrics.time_to_first_token > 0 and output.metrics.time_per_output_token > 0
+
+
+def test_chat_uses_the_template(make_llm):
+    llm = make_llm()
+    reply = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0.0, max_tokens=5,
+                                                                          ignore_eos=True), use_tqdm=False)
+    expected = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hi!"}],
+                                                       tokenize=True, add_generation_prompt=True)
+    expected = list(expected["input_ids"]) if hasattr(expected, "keys") else list(expected)
+    assert reply[0].prompt_token_ids == expected and len(reply[0].outputs[0].token_ids) == 5
+
+
+def test_cli_generate_and_bench(tmp_path, capsys, cache_dir, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cli_main(["generate", "--prompt", "Hi", "--max-tokens", "8", "--num-gpu-blocks-override", "64"])
+    out = capsys.readouterr().out
+    assert "'Hi' ->" in out and "tokens/s" in out
+    result_path = tmp_path / "bench.json"
+    cli_main(["bench", "--num-prompts", "6", "--input-len", "20", "--output-len", "6", "--range-ratio", "0.5",
+              "--num-gpu-blocks-override", "64", "--quiet", "--output-json", str(result_path)])
+    result = json.loads(result_path.read_text())
+    assert result["num_prompts"] == 6 and result["output_tokens_per_s"] > 0
+    assert set(result["ttft_ms"]) == {"p50", "p90", "p99", "mean"}
+    assert "req/s" in capsys.readouterr().out
