@@ -20,25 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrunner.builtin_models import BUILTIN_MODELS
 from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from jaxrunner.model_runner import ModelRunner
 from jaxrunner.models import TransformerConfig, init_random_model
-from jaxrunner.models.transformer import Llama3RopeScaling
 
-LLAMA3_8B = TransformerConfig(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-    num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-    rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                   original_max_position_embeddings=8192),
-    max_position_embeddings=131072,
-)
 # A few-layer stand-in to check the script itself on a CPU.
 TINY = TransformerConfig(
     vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2,
     num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192,
 )
-SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
+SHAPES = {"llama3-8b": BUILTIN_MODELS["random-llama3-8b"], "tiny": TINY}
 
 
 def median_seconds(fn, repeats: int) -> float:

@@ -7,6 +7,7 @@ machine without a download; their text is random bytes, not language.
 from transformers import PreTrainedTokenizerFast
 
 from jaxrunner.models import CausalLM, TransformerConfig, init_random_model
+from jaxrunner.models.transformer import Llama3RopeScaling
 from jaxrunner.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
 
@@ -28,7 +29,17 @@ BUILTIN_MODELS: dict[str, TransformerConfig] = {
         rms_norm_eps=1e-5,
         max_position_embeddings=2048,
     ),
+    # Llama-3-8B's exact shape with random weights: for benchmarks on a GPU.
+    "random-llama3-8b": TransformerConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                       original_max_position_embeddings=8192),
+        max_position_embeddings=131072,
+    ),
 }
+# The dtype "auto" picks: float32 for the tiny model (exact tests), bf16 at real size.
+DEFAULT_DTYPES = {"tiny-llama": "float32", "random-llama3-8b": "bfloat16"}
 
 
 def is_builtin(name: str) -> bool:

@@ -19,12 +19,15 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for name, kind in _ENGINE_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--token-buckets", type=int, nargs="+", default=None)
+    parser.add_argument("--request-buckets", type=int, nargs="+", default=None)
 
 
 def _make_llm(args: argparse.Namespace):
     from jaxrunner.llm import LLM
 
-    kwargs = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    names = [*_ENGINE_FLAGS, "token_buckets", "request_buckets"]
+    kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     return LLM(args.model, enable_prefix_caching=not args.no_prefix_caching, **kwargs)
 
 

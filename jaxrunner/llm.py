@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 from tqdm.auto import tqdm
 
-from jaxrunner.builtin_models import is_builtin, load_builtin
+from jaxrunner.builtin_models import DEFAULT_DTYPES, is_builtin, load_builtin
 from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.kv_cache_manager import KVCacheManager
@@ -80,7 +80,7 @@ class LLM:
             token_buckets = token_buckets or _power_of_two_ladder(max_num_batched_tokens)
             request_buckets = request_buckets or _power_of_two_ladder(max_num_seqs)
         if is_builtin(model):
-            dtype = "float32" if dtype == "auto" else dtype
+            dtype = DEFAULT_DTYPES[model] if dtype == "auto" else dtype
             built, _, self.tokenizer = load_builtin(model, dtype=dtype, seed=seed)
         else:
             dtype = _checkpoint_dtype(model) if dtype == "auto" else dtype
