@@ -88,6 +88,31 @@ class SchedulerConfig:
             )
 
 
+@dataclasses.dataclass
+class SamplerConfig:
+    """Static capacities of the on-device sampler state, per request.
+
+    ``logprobs_mode`` is vLLM's: "raw_logprobs" (the model's), "raw_logits",
+    "processed_logprobs" or "processed_logits" (after penalties, temperature,
+    min-p, top-k and top-p: the distribution sampled from).
+    """
+
+    max_logprobs: int = 20
+    max_logit_bias: int = 64
+    max_stop_token_ids: int = 16
+    max_bad_words: int = 16
+    max_bad_word_len: int = 8
+    logprobs_mode: str = "raw_logprobs"
+
+    def __post_init__(self) -> None:
+        modes = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+        if self.logprobs_mode not in modes:
+            raise ValueError(f"SamplerConfig.logprobs_mode must be one of {modes}; got {self.logprobs_mode!r}.")
+        for name in ("max_logprobs", "max_logit_bias", "max_stop_token_ids", "max_bad_words", "max_bad_word_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SamplerConfig.{name} must be positive; got {getattr(self, name)}.")
+
+
 def default_cache_dir() -> str:
     return os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxrunner", "xla"
@@ -126,3 +151,4 @@ class RunnerConfig:
     cache_config: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
+    sampler_config: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)

@@ -103,7 +103,7 @@ def prepare_inputs(
     ).astype(jnp.int32)
     positions = num_computed[token_req] + token_index - query_start_loc[token_req]
     token_slot = idx_mapping[token_req]
-    from_prefill = state.prefill_token_ids.at[token_slot, positions].get(mode="fill", fill_value=0)
+    from_prefill = state.token_ids.at[token_slot, positions].get(mode="fill", fill_value=0)
     from_sampled = state.last_sampled_tokens.at[token_slot].get(mode="fill", fill_value=0)
     input_ids = jnp.where(positions < prefill_len[token_req], from_prefill, from_sampled)
     input_ids = jnp.where(is_real, input_ids, 0)
@@ -136,15 +136,19 @@ def logits_indices(metadata: AttentionMetadata) -> Int[Array, "num_reqs"]:
 def post_update(
     state: DeviceState, rows: SampleRows, sampled: Int[Array, "n"]
 ) -> DeviceState:
-    """Advance computed counts by the scheduled tokens; remember sampled tokens (in jit)."""
+    """Advance computed counts; store, count and remember each sampled token (in jit)."""
     n = sampled.shape[0]
     idx = rows.idx_mapping[:n]
+    sampling_rows = rows.is_sampling[:n]
     keep_old = state.last_sampled_tokens.at[idx].get(mode="fill", fill_value=0)
-    new_last = jnp.where(rows.is_sampling[:n], sampled, keep_old)
+    # The sampled token sits at the position after the row's last input token.
+    token_rows = jnp.where(sampling_rows, idx, state.token_ids.shape[0])
     return dataclasses.replace(
         state,
-        num_computed_tokens=state.num_computed_tokens.at[idx].add(
-            rows.num_scheduled[:n], mode="drop"
+        token_ids=state.token_ids.at[token_rows, rows.positions[:n] + 1].set(sampled, mode="drop"),
+        num_computed_tokens=state.num_computed_tokens.at[idx].add(rows.num_scheduled[:n], mode="drop"),
+        last_sampled_tokens=state.last_sampled_tokens.at[idx].set(
+            jnp.where(sampling_rows, sampled, keep_old), mode="drop"
         ),
-        last_sampled_tokens=state.last_sampled_tokens.at[idx].set(new_last, mode="drop"),
+        sampling=state.sampling.record_sampled(idx, sampled, sampling_rows),
     )

@@ -40,6 +40,11 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: Any | None = None
+    # Set by the engine from its tokenizer, as vLLM's update_from_tokenizer does:
+    # EOS (unless ignore_eos) plus stop_token_ids, masked while generated < min_tokens,
+    # and each bad word as token id sequences.
+    all_stop_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -198,7 +203,8 @@ class ModelRunnerOutput:
     # Per request: the tokens it produced this step (empty mid chunked prefill).
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsLists | None = None
-    prompt_logprobs_dict: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Per request: (position of the first prompt token scored this step, its rows).
+    prompt_logprobs_dict: dict[str, tuple[int, LogprobsLists]] = dataclasses.field(default_factory=dict)
     num_nans_in_logits: dict[str, int] | None = None
 
     @classmethod

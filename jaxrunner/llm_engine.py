@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from jaxrunner.detokenizer import IncrementalDetokenizer
 from jaxrunner.interfaces import ModelRunnerOutput, SamplingParams
 from jaxrunner.model_runner import ModelRunner
-from jaxrunner.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxrunner.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxrunner.request import Request, RequestStatus
 from jaxrunner.scheduler import Scheduler
 
@@ -28,6 +28,8 @@ class _Sequence:
     request: Request
     detokenizer: IncrementalDetokenizer | None
     num_streamed_tokens: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
 
 
 @dataclasses.dataclass
@@ -37,6 +39,7 @@ class _Prompt:
     prompt_token_ids: list[int]
     sequences: list[_Sequence]
     arrival_time: float
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -69,6 +72,8 @@ class LLMEngine:
         try:
             token_ids = self._tokenize(prompt)
             self._validate(token_ids, params)
+            params = self._with_token_lists(params)
+            self.runner.check_sampling_params(params)
         except ValueError as error:
             return RequestOutput(
                 request_id, prompt_text, [], [CompletionOutput(0, "", [], finish_reason="error")],
@@ -83,8 +88,10 @@ class LLMEngine:
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             request = Request(child_id, token_ids, child_params, self.eos_token_id, arrival_time=arrival)
-            sequences.append(_Sequence(request, self._detokenizer(token_ids, child_params)))
-        entry = _Prompt(request_id, prompt_text, token_ids, sequences, arrival)
+            logprobs = [] if params.logprobs is not None else None
+            sequences.append(_Sequence(request, self._detokenizer(token_ids, child_params), logprobs=logprobs))
+        prompt_logprobs = [None] + [None] * (len(token_ids) - 1) if params.prompt_logprobs is not None else None
+        entry = _Prompt(request_id, prompt_text, token_ids, sequences, arrival, prompt_logprobs)
         self._prompts[request_id] = entry
         for seq in sequences:
             self._child_to_prompt[seq.request.request_id] = entry
@@ -115,6 +122,22 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to detect stop strings.")
+
+    def _with_token_lists(self, params: SamplingParams) -> SamplingParams:
+        """Add what the runner needs as token ids: min_tokens' stop ids and the bad words."""
+        stop_ids = list(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stop_ids.append(self.eos_token_id)
+        bad_words = []
+        for word in params.bad_words or []:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.bad_words needs a tokenizer.")
+            # As vLLM: the word as it is and after a space, without special tokens.
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in bad_words:
+                    bad_words.append(ids)
+        return dataclasses.replace(params, all_stop_token_ids=stop_ids, bad_words_token_ids=bad_words)
 
     def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -147,9 +170,13 @@ class LLMEngine:
         elif runner_output is None:
             runner_output = ModelRunnerOutput.make_empty()
         touched: dict[str, _Prompt] = {}
+        self._record_prompt_logprobs(runner_output, touched)
+        logprob_rows = self._logprob_rows(runner_output)
         for request, new_tokens in self.scheduler.update_from_output(scheduler_output, runner_output):
             entry = self._child_to_prompt[request.request_id]
             seq = next(s for s in entry.sequences if s.request is request)
+            if seq.logprobs is not None:
+                self._record_logprobs(seq, runner_output, logprob_rows[request.request_id][: len(new_tokens)])
             stop_str = None
             if seq.detokenizer is not None:
                 # A stop token id (or EOS) ends the text without its own text, as in vLLM.
@@ -165,6 +192,42 @@ class LLMEngine:
             if entry.finished:
                 self._release(entry)
         return outputs
+
+    @staticmethod
+    def _logprob_rows(runner_output: ModelRunnerOutput) -> dict[str, range]:
+        if runner_output.logprobs is None:
+            return {}
+        cu = runner_output.logprobs.cu_num_generated_tokens
+        return {req_id: range(cu[i], cu[i + 1]) for i, req_id in enumerate(runner_output.req_ids)}
+
+    def _logprob_dict(self, ids, logprobs, chosen_rank: int, count: int) -> dict[int, Logprob]:
+        """The chosen token (column 0) and the top ``count``, with ranks and text."""
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        out = {int(ids[0]): Logprob(float(logprobs[0]), int(chosen_rank), decode(int(ids[0])))}
+        for rank, (token, value) in enumerate(zip(ids[1 : count + 1], logprobs[1 : count + 1]), start=1):
+            out.setdefault(int(token), Logprob(float(value), rank, decode(int(token))))
+        return out
+
+    def _record_logprobs(self, seq: _Sequence, runner_output: ModelRunnerOutput, rows: range) -> None:
+        lists = runner_output.logprobs
+        count = seq.request.sampling_params.logprobs
+        for row in rows:
+            entry = self._logprob_dict(
+                lists.logprob_token_ids[row], lists.logprobs[row], lists.sampled_token_ranks[row], count
+            )
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += float(lists.logprobs[row][0])
+
+    def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput, touched: dict[str, _Prompt]) -> None:
+        for req_id, (first, lists) in runner_output.prompt_logprobs_dict.items():
+            entry = self._child_to_prompt.get(req_id)
+            if entry is None or entry.prompt_logprobs is None or entry.sequences[0].request.request_id != req_id:
+                continue
+            count = entry.sequences[0].request.sampling_params.prompt_logprobs
+            for i in range(len(lists.logprobs)):
+                entry.prompt_logprobs[first + i] = self._logprob_dict(
+                    lists.logprob_token_ids[i], lists.logprobs[i], lists.sampled_token_ranks[i], count
+                )
 
     def _stop_on_string(self, request: Request, stop_str: str) -> None:
         if request.is_finished:
@@ -196,6 +259,8 @@ class LLMEngine:
                     index=index,
                     text=text,
                     token_ids=list(token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                    logprobs=self._streamed(seq.logprobs, len(token_ids)) if delta else seq.logprobs,
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                 )
@@ -209,5 +274,10 @@ class LLMEngine:
             num_generated_tokens=max(len(s.request.output_token_ids) for s in entry.sequences),
         )
         return RequestOutput(
-            entry.request_id, entry.prompt, entry.prompt_token_ids, completions, entry.finished, metrics
+            entry.request_id, entry.prompt, entry.prompt_token_ids, completions, entry.finished, metrics,
+            prompt_logprobs=entry.prompt_logprobs,
         )
+
+    @staticmethod
+    def _streamed(logprobs: list | None, num_new: int) -> list | None:
+        return None if logprobs is None else logprobs[len(logprobs) - num_new :]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import random
 import time
 from typing import Any
 
@@ -35,7 +36,7 @@ from jaxrunner.input_batch import (
     post_update,
     prepare_inputs,
 )
-from jaxrunner.interfaces import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from jaxrunner.interfaces import GrammarOutput, LogprobsLists, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from jaxrunner.kv_cache import (
     KVCacheSpec,
     KVCaches,
@@ -44,7 +45,9 @@ from jaxrunner.kv_cache import (
     kv_cache_capacity,
 )
 from jaxrunner.models import CausalLM, TransformerConfig, load_model
-from jaxrunner.sample.sampler import sample_tokens
+from jaxrunner.sample.logprobs import LogprobsTensors, compute_logprobs
+from jaxrunner.sample.sampler import sample
+from jaxrunner.sample.sampling_state import bitmask_words, check_logprobs_count, pack_sampling_params
 from jaxrunner.states import DeviceState, RequestState, write_new_requests
 
 logger = logging.getLogger(__name__)
@@ -74,7 +77,9 @@ class ModelRunner:
         CompileCounter.install()
         self.model: CausalLM | None = None
         self.kv_caches: KVCaches | None = None
-        self.execute_model_state: tuple[InputBatch, jax.Array, SampleRows] | None = None
+        self.execute_model_state: tuple[InputBatch, jax.Array, SampleRows, jax.Array] | None = None
+        # Requests that asked for prompt logprobs: their prompt and top count.
+        self._prompt_logprob_requests: dict[str, tuple[np.ndarray, int]] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -101,11 +106,13 @@ class ModelRunner:
             dtype=kv_dtype,
         )
         self.req_states = RequestState(
-            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.model_config.seed
+            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.model_config.seed,
+            self.config.sampler_config, self.vocab_size,
         )
         self.block_tables = BlockTables(self.max_num_reqs, self.max_blocks_per_req, self.block_size)
         self.device_state = DeviceState.zeros(
-            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req
+            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
+            self.config.sampler_config, self.vocab_size,
         )
         self._build_programs()
         logger.info("Model loaded in %.1f s", time.perf_counter() - start)
@@ -173,21 +180,45 @@ class ModelRunner:
             sample_hidden = hidden[logits_indices(metadata)]
             pad = self.max_num_reqs - shape.num_reqs
             sample_hidden = jnp.pad(sample_hidden, ((0, pad), (0, 0)))
-            return kv_caches, state, sample_hidden, rows
+            return kv_caches, state, sample_hidden, rows, hidden
 
-        def sample(params, sample_hidden, rows, state, *, num_rows: int):
+        sampler_config = self.config.sampler_config
+
+        def sample_step(params, sample_hidden, rows, state, grammar_bitmask, grammar_active, *, num_rows: int):
             model = nnx.merge(graphdef, params)
             logits = model.compute_logits(sample_hidden[:num_rows])
             head = jax.tree.map(lambda a: a[:num_rows], rows)
-            tokens = sample_tokens(logits, state.sampling, head.idx_mapping, head.positions)
-            return post_update(state, rows, tokens), tokens
+            output = sample(
+                logits, state.sampling, state.token_ids, head.idx_mapping, head.positions,
+                grammar_bitmask, grammar_active,
+                max_logprobs=sampler_config.max_logprobs, logprobs_mode=sampler_config.logprobs_mode,
+            )
+            return post_update(state, rows, output.sampled_token_ids), output
+
+        def prompt_logprobs(params, hidden, targets, num_logprobs):
+            """Raw logprobs of each next prompt token, in row chunks to bound the logits' memory."""
+            model = nnx.merge(graphdef, params)
+            chunk = min(hidden.shape[0], 256)
+            pad = -hidden.shape[0] % chunk
+            split = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])
+
+            def one_chunk(args):
+                h, t, k = args
+                return compute_logprobs(model.compute_logits(h), t, k, sampler_config.max_logprobs)
+
+            out = jax.lax.map(one_chunk, (split(hidden), split(targets), split(num_logprobs)))
+            return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[: hidden.shape[0]], out)
 
         self._forward_fn = forward
         self._forward_programs = CompiledPrograms(
             "forward", lambda b: self._lower_forward(b, self.num_blocks)
         )
-        sample_jit = jax.jit(sample, static_argnames="num_rows", donate_argnums=(3,))
-        write_jit = jax.jit(write_new_requests, donate_argnums=(0,))
+        sample_jit = jax.jit(sample_step, static_argnames="num_rows", donate_argnums=(3,))
+        write_jit = jax.jit(
+            functools.partial(write_new_requests, layout=self.req_states.layout), donate_argnums=(0,)
+        )
+        prompt_logprobs_jit = jax.jit(prompt_logprobs)
+        words = bitmask_words(self.vocab_size)
         hidden_spec = jax.ShapeDtypeStruct((self.max_num_reqs, self.model_arch.hidden_size), self.model.dtype)
         rows_spec = self._abstract(
             SampleRows(
@@ -200,10 +231,24 @@ class ModelRunner:
         self._sample_programs = CompiledPrograms(
             "sample",
             lambda b: sample_jit.lower(
-                self._abstract(self.params), hidden_spec, rows_spec,
-                self._abstract(self.device_state), num_rows=b,
+                self._abstract(self.params), hidden_spec, rows_spec, self._abstract(self.device_state),
+                jax.ShapeDtypeStruct((b, words), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
+                num_rows=b,
             ),
         )
+        # Compiled on first use: only batches with prompt-logprob requests need them.
+        self._prompt_logprob_programs = CompiledPrograms(
+            "prompt_logprobs",
+            lambda b: prompt_logprobs_jit.lower(
+                self._abstract(self.params),
+                jax.ShapeDtypeStruct((b, self.model_arch.hidden_size), self.model.dtype),
+                jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+            ),
+        )
+        self._no_grammar = {
+            b: (jax.device_put(np.zeros((b, words), np.int32)), jax.device_put(np.zeros(b, np.bool_)))
+            for b in self.request_buckets
+        }
         self._write_programs = CompiledPrograms(
             "write_new_requests",
             lambda b: write_jit.lower(
@@ -233,10 +278,14 @@ class ModelRunner:
             if slot is not None:
                 self.block_tables.clear(slot)
                 self.req_states.remove_request(req_id)
+            self._prompt_logprob_requests.pop(req_id, None)
 
     def add_requests(self, scheduler_output: SchedulerOutput) -> None:
         for new_req in scheduler_output.scheduled_new_reqs:
             slot = self.req_states.add_request(new_req)
+            k = new_req.sampling_params.prompt_logprobs
+            if k is not None:
+                self._prompt_logprob_requests[new_req.req_id] = (np.asarray(new_req.prompt_token_ids, np.int32), k)
             block_ids = new_req.block_ids[0] if new_req.block_ids else []
             self.block_tables.append_block_ids(slot, list(block_ids), overwrite=True)
         num_new = self.req_states.num_staged
@@ -313,29 +362,94 @@ class ModelRunner:
             return ModelRunnerOutput.make_empty()
         batch, buffer = self.prepare_inputs(scheduler_output)
         program = self._forward_programs.get(batch.num_tokens_after_padding)
-        self.kv_caches, self.device_state, sample_hidden, rows = program(
+        self.kv_caches, self.device_state, sample_hidden, rows, hidden = program(
             self.params, self.kv_caches, self.device_state, buffer
         )
-        self.execute_model_state = (batch, sample_hidden, rows)
+        self.execute_model_state = (batch, sample_hidden, rows, hidden)
         return None
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """Sample the step dispatched by ``execute_model`` and return its output."""
         if self.execute_model_state is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model().")
-        if grammar_output is not None:
-            raise NotImplementedError("Structured outputs (grammar bitmasks) are not supported yet.")
-        batch, sample_hidden, rows = self.execute_model_state
+        batch, sample_hidden, rows, hidden = self.execute_model_state
         self.execute_model_state = None
-        program = self._sample_programs.get(batch.num_reqs_after_padding)
-        self.device_state, tokens = program(self.params, sample_hidden, rows, self.device_state)
+        bucket = batch.num_reqs_after_padding
+        bitmask, active = self._grammar_rows(batch, grammar_output)
+        program = self._sample_programs.get(bucket)
+        self.device_state, output = program(self.params, sample_hidden, rows, self.device_state, bitmask, active)
+        prompt_logprobs = self._prompt_logprobs_of(batch, hidden)
         self.req_states.num_computed_tokens[batch.idx_mapping_np] += batch.num_scheduled_tokens
-        tokens_np = np.asarray(tokens)[: batch.num_reqs]
-        sampled = [
-            [int(t)] if s else [] for t, s in zip(tokens_np, batch.is_sampling_np)
-        ]
+        tokens_np = np.asarray(output.sampled_token_ids)[: batch.num_reqs]
+        sampled = [[int(t)] if s else [] for t, s in zip(tokens_np, batch.is_sampling_np)]
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
             sampled_token_ids=sampled,
+            logprobs=self._logprobs_lists(batch, output.logprobs),
+            prompt_logprobs_dict=prompt_logprobs,
         )
+
+    def _grammar_rows(self, batch: InputBatch, grammar_output: GrammarOutput | None):
+        """The grammar bitmask in batch row order (a resident all-off pair when unused)."""
+        bucket = batch.num_reqs_after_padding
+        if grammar_output is None or not grammar_output.structured_output_request_ids:
+            return self._no_grammar[bucket]
+        row_of = {r: i for i, r in enumerate(batch.req_ids)}
+        bitmask = np.zeros((bucket, bitmask_words(self.vocab_size)), np.int32)
+        active = np.zeros(bucket, np.bool_)
+        for req_id, words in zip(grammar_output.structured_output_request_ids, grammar_output.grammar_bitmask):
+            if req_id in row_of:
+                bitmask[row_of[req_id], : len(words)] = words
+                active[row_of[req_id]] = True
+        return bitmask, active
+
+    def _logprobs_lists(self, batch: InputBatch, tensors: LogprobsTensors) -> LogprobsLists | None:
+        """Sample logprobs of the rows that sampled, when any request in the batch asked."""
+        wants = self.req_states.num_logprobs[batch.idx_mapping_np] > 0
+        if not np.any(wants & batch.is_sampling_np):
+            return None
+        keep = np.flatnonzero(batch.is_sampling_np)
+        return LogprobsLists(
+            logprob_token_ids=np.asarray(tensors.token_ids)[keep],
+            logprobs=np.asarray(tensors.logprobs)[keep],
+            sampled_token_ranks=np.asarray(tensors.ranks)[keep],
+            cu_num_generated_tokens=np.concatenate([[0], np.cumsum(batch.is_sampling_np)]).tolist(),
+        )
+
+    def _prompt_logprobs_of(self, batch: InputBatch, hidden: jax.Array) -> dict[str, tuple[int, LogprobsLists]]:
+        """Raw logprobs of the prompt tokens this step's chunks predict, per asking request.
+
+        Each entry is (position of the first prompt token predicted, its rows).
+        """
+        spans = []
+        start = 0
+        for req_id, slot, n in zip(batch.req_ids, batch.idx_mapping_np, batch.num_scheduled_tokens):
+            entry = self._prompt_logprob_requests.get(req_id)
+            computed = int(self.req_states.num_computed_tokens[slot])
+            if entry is not None:
+                prompt, k = entry
+                # Token at position p predicts prompt token p + 1.
+                end = min(computed + int(n), len(prompt) - 1)
+                if end > computed:
+                    spans.append((req_id, start, computed, end, prompt, k))
+            start += int(n)
+        if not spans:
+            return {}
+        size = batch.num_tokens_after_padding
+        targets, counts = np.zeros(size, np.int32), np.zeros(size, np.int32)
+        for _, start, first, end, prompt, k in spans:
+            targets[start : start + end - first] = prompt[first + 1 : end + 1]
+            counts[start : start + end - first] = k + 1
+        out = self._prompt_logprob_programs.get(size)(self.params, hidden, targets, counts)
+        ids, lps, ranks = (np.asarray(a) for a in (out.token_ids, out.logprobs, out.ranks))
+        result = {}
+        for req_id, start, first, end, _, k in spans:
+            rows = slice(start, start + end - first)
+            result[req_id] = (first + 1, LogprobsLists(ids[rows, : k + 1], lps[rows, : k + 1], ranks[rows]))
+        return result
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """Raise ValueError if the runner cannot hold these parameters (capacities, token ids)."""
+        pack_sampling_params(params, random.Random(0), self.config.sampler_config, self.vocab_size)
+        check_logprobs_count("prompt_logprobs", params.prompt_logprobs, self.config.sampler_config)

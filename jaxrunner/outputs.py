@@ -29,6 +29,19 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass
+class Logprob:
+    """A token's log probability, its rank among all tokens, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: the chosen token and the top-n, by token id.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     """One of the ``n`` sequences generated for a prompt."""
 
@@ -36,7 +49,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None
 
@@ -56,3 +69,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # None for the first prompt token, then one dict per prompt position.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

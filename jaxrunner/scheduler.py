@@ -107,7 +107,10 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             tokens = request.all_token_ids
-            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request.request_id, tokens)
+            if request.sampling_params.prompt_logprobs is None:
+                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request.request_id, tokens)
+            else:  # every prompt token must be computed to score it
+                computed_blocks, num_computed = [], 0
             remaining = len(tokens) - num_computed
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break

@@ -16,20 +16,33 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from jaxrunner.config import SamplerConfig
 from jaxrunner.interfaces import NewRequestData
-from jaxrunner.sample.sampling_state import NUM_SAMPLING_WORDS, SamplingArrays, pack_sampling_params
+from jaxrunner.packed_rows import RowLayout
+from jaxrunner.sample.sampling_state import SamplingArrays, pack_sampling_params, sampling_fields
 
-# Words before the block ids in a packed new-request row:
-# slot, prefill_len, num_computed_tokens, then the sampling parameters.
-_HEADER_WORDS = 3 + NUM_SAMPLING_WORDS
+
+def new_request_layout(
+    max_model_len: int, max_blocks: int, config: SamplerConfig, vocab_size: int
+) -> RowLayout:
+    """The packed row of one new request: counts, sampling fields, block ids, tokens."""
+    return RowLayout(
+        (("slot", 1, "i32"), ("prefill_len", 1, "i32"), ("num_computed", 1, "i32"), ("prompt_len", 1, "i32"))
+        + sampling_fields(config, vocab_size)
+        + (("block_ids", max_blocks, "i32"), ("tokens", max_model_len, "i32"))
+    )
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DeviceState:
-    """All per-request device arrays, donated to and returned by every step."""
+    """All per-request device arrays, donated to and returned by every step.
 
-    prefill_token_ids: Int[Array, "max_reqs max_model_len"]
+    ``token_ids`` holds each request's prefill tokens and then every sampled
+    token at its position, so bad-word checks can look back at the history.
+    """
+
+    token_ids: Int[Array, "max_reqs max_model_len"]
     prefill_len: Int[Array, "max_reqs"]
     num_computed_tokens: Int[Array, "max_reqs"]
     last_sampled_tokens: Int[Array, "max_reqs"]
@@ -37,55 +50,62 @@ class DeviceState:
     sampling: SamplingArrays
 
     @classmethod
-    def zeros(cls, max_num_reqs: int, max_model_len: int, max_blocks: int) -> DeviceState:
+    def zeros(
+        cls, max_num_reqs: int, max_model_len: int, max_blocks: int, config: SamplerConfig, vocab_size: int
+    ) -> DeviceState:
         return cls(
-            prefill_token_ids=jnp.zeros((max_num_reqs, max_model_len), jnp.int32),
+            token_ids=jnp.zeros((max_num_reqs, max_model_len), jnp.int32),
             prefill_len=jnp.zeros(max_num_reqs, jnp.int32),
             num_computed_tokens=jnp.zeros(max_num_reqs, jnp.int32),
             last_sampled_tokens=jnp.zeros(max_num_reqs, jnp.int32),
             block_table=jnp.zeros((max_num_reqs, max_blocks), jnp.int32),
-            sampling=SamplingArrays.zeros(max_num_reqs),
+            sampling=SamplingArrays.zeros(max_num_reqs, config, vocab_size),
         )
 
 
-def write_new_requests(state: DeviceState, rows: Int[Array, "n row_words"]) -> DeviceState:
-    """Scatter packed new-request rows into their slots; padding rows (slot -1) are dropped.
-
-    A row is ``[slot, prefill_len, num_computed, sampling words, block ids, prefill tokens]``.
-    """
-    max_num_reqs, max_blocks = state.block_table.shape
-    slots = jnp.where(rows[:, 0] < 0, max_num_reqs, rows[:, 0])
-    blocks_end = _HEADER_WORDS + max_blocks
-    tokens = rows[:, blocks_end:]
+def write_new_requests(state: DeviceState, rows: Int[Array, "n row_words"], layout: RowLayout) -> DeviceState:
+    """Scatter packed new-request rows into their slots; padding rows (slot -1) are dropped."""
+    fields = layout.unpack(rows)
+    max_num_reqs = state.block_table.shape[0]
+    slots = jnp.where(fields["slot"][:, 0] < 0, max_num_reqs, fields["slot"][:, 0])
+    tokens, prefill_len = fields["tokens"], fields["prefill_len"][:, 0]
+    set_rows = lambda old, new: old.at[slots].set(new, mode="drop")
     return DeviceState(
-        prefill_token_ids=state.prefill_token_ids.at[slots].set(tokens, mode="drop"),
-        prefill_len=state.prefill_len.at[slots].set(rows[:, 1], mode="drop"),
-        num_computed_tokens=state.num_computed_tokens.at[slots].set(rows[:, 2], mode="drop"),
+        token_ids=set_rows(state.token_ids, tokens),
+        prefill_len=set_rows(state.prefill_len, prefill_len),
+        num_computed_tokens=set_rows(state.num_computed_tokens, fields["num_computed"][:, 0]),
         last_sampled_tokens=state.last_sampled_tokens,
-        block_table=state.block_table.at[slots].set(rows[:, _HEADER_WORDS:blocks_end], mode="drop"),
-        sampling=state.sampling.write_rows(slots, rows[:, 3:_HEADER_WORDS]),
+        block_table=set_rows(state.block_table, fields["block_ids"]),
+        sampling=state.sampling.write_rows(slots, fields, tokens, fields["prompt_len"][:, 0], prefill_len),
     )
 
 
 class RequestState:
     """Slot bookkeeping on the host, and the packing of new requests for the device."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks: int, seed: int):
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks: int, seed: int,
+        sampler_config: SamplerConfig, vocab_size: int,
+    ):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_blocks = max_blocks
+        self.sampler_config = sampler_config
+        self.vocab_size = vocab_size
+        self.layout = new_request_layout(max_model_len, max_blocks, sampler_config, vocab_size)
         self.req_id_to_index: dict[str, int] = {}
         self.index_to_req_id: dict[int, str] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
         self.prompt_len = np.zeros(max_num_reqs, np.int32)
         self.prefill_len = np.zeros(max_num_reqs, np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
+        self.num_logprobs = np.zeros(max_num_reqs, np.int32)
         self._seed_rng = random.Random(seed)
         self._staged_rows: list[np.ndarray] = []
 
     @property
     def row_words(self) -> int:
-        return _HEADER_WORDS + self.max_blocks + self.max_model_len
+        return self.layout.width
 
     @property
     def num_reqs(self) -> int:
@@ -115,19 +135,25 @@ class RequestState:
                 f"No free request slot for {req_id!r}: {self.max_num_reqs} requests are running "
                 "(SchedulerConfig.max_num_seqs)."
             )
+        sampling = pack_sampling_params(
+            new_req.sampling_params, self._seed_rng, self.sampler_config, self.vocab_size
+        )
         slot = self._free_slots.pop()
         self.req_id_to_index[req_id] = slot
         self.index_to_req_id[slot] = req_id
         self.prompt_len[slot] = len(new_req.prompt_token_ids)
         self.prefill_len[slot] = len(tokens)
         self.num_computed_tokens[slot] = new_req.num_computed_tokens
-
-        row = np.zeros(self.row_words, np.int32)
-        row[:3] = (slot, len(tokens), new_req.num_computed_tokens)
-        row[3:_HEADER_WORDS] = pack_sampling_params(new_req.sampling_params, self._seed_rng)
-        row[_HEADER_WORDS : _HEADER_WORDS + len(block_ids)] = block_ids
-        row[_HEADER_WORDS + self.max_blocks : _HEADER_WORDS + self.max_blocks + len(tokens)] = tokens
-        self._staged_rows.append(row)
+        self.num_logprobs[slot] = sampling["num_logprobs"]
+        self._staged_rows.append(
+            self.layout.pack(
+                dict(
+                    slot=slot, prefill_len=len(tokens), num_computed=new_req.num_computed_tokens,
+                    prompt_len=len(new_req.prompt_token_ids), block_ids=block_ids, tokens=tokens,
+                    **sampling,
+                )
+            )
+        )
         return slot
 
     def remove_request(self, req_id: str) -> None:
@@ -141,8 +167,7 @@ class RequestState:
         """The staged rows padded to ``num_rows`` (padding slot -1), or None if none are staged."""
         if not self._staged_rows:
             return None
-        rows = np.zeros((num_rows, self.row_words), np.int32)
-        rows[:, 0] = -1
+        rows = np.tile(self.layout.pack({"slot": -1}), (num_rows, 1))
         rows[: len(self._staged_rows)] = self._staged_rows
         self._staged_rows = []
         return rows

@@ -1,13 +1,11 @@
-"""The sampler: murmur3 known answers, Gumbel noise, top-k/top-p masks against NumPy."""
+"""Seeded noise: murmur3 known answers and the Gumbel distribution."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
 
 from jaxrunner.sample.gumbel import gumbel_from_hash, murmur3_hash32, split_seed
-from jaxrunner.sample.sampler import apply_top_k_top_p
 
 # (seed, pos, token) -> (hash with domain 0, hash with domain 0x9E3779B9), from FACTS.md.
 KNOWN_ANSWERS = [
@@ -37,33 +35,3 @@ def test_gumbel_noise_is_finite_at_the_extremes_and_gumbel_distributed():
     # Kolmogorov-Smirnov against the standard Gumbel distribution.
     assert stats.kstest(g, "gumbel_r").pvalue > 1e-3
     assert stats.kstest(g + 0.05, "gumbel_r").pvalue < 1e-3  # the test can tell a shift
-
-
-def _numpy_top_k_top_p(logits: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
-    out = logits.copy()
-    for i, row in enumerate(logits):
-        keep = np.ones_like(row, bool)
-        if top_k[i] > 0:
-            keep &= row >= np.sort(row)[::-1][min(top_k[i], len(row)) - 1]
-        masked = np.where(keep, row, -np.inf)
-        order = np.argsort(-masked, kind="stable")
-        probs = np.exp(masked[order] - masked[order][0])
-        probs /= probs.sum()
-        before = np.cumsum(probs) - probs
-        num = max(int(np.sum(before < top_p[i])), 1)
-        keep &= row >= masked[order][num - 1]
-        out[i] = np.where(keep, row, -np.inf)
-    return out
-
-
-def test_top_k_top_p_mask_matches_numpy():
-    rng = np.random.default_rng(0)
-    n, vocab = 12, 300
-    logits = rng.normal(0, 3, (n, vocab)).astype(np.float32)
-    top_k = rng.choice([0, 1, 5, 40, vocab + 10], n).astype(np.int32)
-    top_p = rng.choice([1.0, 0.9, 0.5, 0.05], n).astype(np.float32)
-    got = np.asarray(jax.jit(apply_top_k_top_p)(logits, top_k, top_p))
-    want = _numpy_top_k_top_p(logits, top_k, top_p)
-    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
-    np.testing.assert_array_equal(got[np.isfinite(got)], want[np.isfinite(want)])
-    assert np.all(np.isfinite(got).sum(1) >= 1)

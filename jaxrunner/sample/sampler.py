@@ -1,82 +1,131 @@
-"""Token sampling inside the jitted, request-bucketed step.
+"""The sampling step, in vLLM's order, inside the jitted request-bucketed program.
 
-Greedy rows take the argmax. Random rows add seeded Gumbel noise to the
-tempered logits, after masking outside top-k and top-p, and take the argmax:
-the Gumbel-max trick samples exactly from softmax(logits / T) over the kept set.
+logits (float32) -> allowed_token_ids, grammar bitmask -> logit_bias ->
+min_tokens -> repetition / frequency / presence penalties -> bad words ->
+[greedy rows: argmax] temperature -> min_p -> top-k, top-p -> seeded Gumbel
+argmax. Every stage runs under ``lax.cond`` on whether any row of the batch
+uses it, so features a batch does not use cost one reduction over its flags.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxrunner.sample.bitmask import apply_token_bitmask
 from jaxrunner.sample.gumbel import gumbel_from_hash, murmur3_hash32
+from jaxrunner.sample.logits_processors import (
+    apply_bad_words,
+    apply_logit_bias,
+    apply_min_p,
+    apply_min_tokens,
+    apply_penalties,
+)
+from jaxrunner.sample.logprobs import LogprobsTensors, compute_logprobs
 from jaxrunner.sample.sampling_state import SamplingArrays
+from jaxrunner.sample.top_k_top_p import apply_top_k_top_p
+
+Logits = Float[Array, "n V"]
 
 
-def apply_top_k_top_p(
-    logits: Float[Array, "n vocab"],
-    top_k: Int[Array, "n"],
-    top_p: Float[Array, "n"],
-) -> Float[Array, "n vocab"]:
-    """Mask (to -inf) tokens outside the top-k, then outside the top-p nucleus.
-
-    top_k 0 and top_p 1 keep everything. Ties at a cut-off are kept. The nucleus
-    is the smallest set of most likely tokens whose probability reaches top_p.
-    """
-    vocab = logits.shape[-1]
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    sorted_desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    in_nucleus = mass_before < top_p[:, None]
-    in_nucleus = in_nucleus.at[:, 0].set(True)
-    num_kept = jnp.sum(in_nucleus, axis=-1)
-    cutoff = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)
-    cutoff = jnp.maximum(cutoff, kth)
-    return jnp.where(logits >= cutoff, logits, -jnp.inf)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplerOutput:
+    sampled_token_ids: Int[Array, "n"]
+    logprobs: LogprobsTensors
 
 
-def sample_tokens(
-    logits: Float[Array, "n vocab"],
+def _when(flag: Bool[Array, ""], stage: Callable[[Logits], Logits], logits: Logits) -> Logits:
+    return jax.lax.cond(flag, stage, lambda x: x, logits)
+
+
+def _rows(sampling: SamplingArrays, idx: Int[Array, "n"]) -> SamplingArrays:
+    """The batch's rows of every sampling array (padding rows: zeros)."""
+    return jax.tree.map(lambda a: a.at[idx].get(mode="fill", fill_value=0), sampling)
+
+
+def _history(token_ids: Int[Array, "R L"], idx: Int[Array, "n"], positions: Int[Array, "n"], length: int):
+    """The ``length`` tokens up to and including each row's last input token; -1 before position 0."""
+    pos = positions[:, None] - jnp.arange(length - 1, -1, -1)[None, :]
+    tokens = token_ids.at[idx[:, None], jnp.maximum(pos, 0)].get(mode="fill", fill_value=-1)
+    return jnp.where(pos >= 0, tokens, -1)
+
+
+def process_logits(
+    logits: Logits,
+    s: SamplingArrays,
+    positions: Int[Array, "n"],
+    history: Int[Array, "n H"],
+    grammar_bitmask: Int[Array, "n W"],
+    grammar_active: Bool[Array, "n"],
+) -> Logits:
+    """The stages before temperature; ``s`` holds the batch's rows."""
+    logits = _when(jnp.any(s.has_allowed), lambda x: apply_token_bitmask(x, s.allowed, s.has_allowed), logits)
+    logits = _when(
+        jnp.any(grammar_active), lambda x: apply_token_bitmask(x, grammar_bitmask, grammar_active), logits
+    )
+    logits = _when(jnp.any(s.bias_ids >= 0), lambda x: apply_logit_bias(x, s.bias_ids, s.bias_values), logits)
+    # Tokens generated before this one: the row predicts position ``positions + 1``.
+    generated = positions + 1 - s.prompt_len
+    below_min = generated < s.min_tokens
+    logits = _when(jnp.any(below_min), lambda x: apply_min_tokens(x, s.stop_ids, below_min), logits)
+    penalized = (s.repetition != 1.0) | (s.frequency != 0.0) | (s.presence != 0.0)
+    logits = _when(
+        jnp.any(penalized),
+        lambda x: apply_penalties(x, s.prompt_bitmask, s.output_counts, s.repetition, s.frequency, s.presence),
+        logits,
+    )
+    return _when(jnp.any(s.bad_words >= 0), lambda x: apply_bad_words(x, s.bad_words, history), logits)
+
+
+def sample(
+    logits: Logits,
     sampling: SamplingArrays,
+    token_ids: Int[Array, "R L"],
     idx_mapping: Int[Array, "n"],
     positions: Int[Array, "n"],
-) -> Int[Array, "n"]:
-    """One token per row; row i uses the parameters of request slot ``idx_mapping[i]``.
+    grammar_bitmask: Int[Array, "n W"],
+    grammar_active: Bool[Array, "n"],
+    *,
+    max_logprobs: int,
+    logprobs_mode: str,
+) -> SamplerOutput:
+    """One token per row; row i uses the state of request slot ``idx_mapping[i]``.
 
-    ``positions`` is the position of the token being predicted's input (the
-    seeded noise is a function of (seed, position, token id)).
+    ``positions`` is each row's last input position: the seeded noise is a
+    function of (seed, position, token id).
     """
-    logits = logits.astype(jnp.float32)
-    take = lambda a, fill: jnp.take(a, idx_mapping, mode="fill", fill_value=fill)
-    temperature = take(sampling.temperature, 0.0)
-    top_k = take(sampling.top_k, 0)
-    top_p = take(sampling.top_p, 1.0)
-    is_greedy: Bool[Array, "n"] = temperature <= 0.0
-    greedy_tokens = jnp.argmax(logits, axis=-1)
+    raw = logits.astype(jnp.float32)
+    s = _rows(sampling, idx_mapping)
+    history = _history(token_ids, idx_mapping, positions, s.bad_words.shape[-1] - 1)
+    processed = process_logits(raw, s, positions, history, grammar_bitmask, grammar_active)
+    is_greedy = s.temperature <= 0.0
+    tempered = processed / jnp.where(is_greedy, 1.0, s.temperature)[:, None]
+    random_rows = ~is_greedy
+    tempered = _when(jnp.any(random_rows & (s.min_p > 0)), lambda x: apply_min_p(x, jnp.where(random_rows, s.min_p, 0.0)), tempered)
+    filters = random_rows & ((s.top_k > 0) | (s.top_p < 1.0))
+    tempered = _when(
+        jnp.any(filters),
+        lambda x: apply_top_k_top_p(x, jnp.where(filters, s.top_k, 0), jnp.where(filters, s.top_p, 1.0)),
+        tempered,
+    )
+    greedy_tokens = jnp.argmax(processed, axis=-1)
 
-    def sample_random(_: None) -> Int[Array, "n"]:
-        tempered = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]
-        needs_filter = jnp.any(((top_k > 0) | (top_p < 1.0)) & ~is_greedy)
-        tempered = jax.lax.cond(
-            needs_filter, apply_top_k_top_p, lambda x, *_: x, tempered, top_k, top_p
-        )
-        vocab_ids = jnp.arange(logits.shape[-1], dtype=jnp.uint32)[None, :]
+    def add_noise(_: None) -> Int[Array, "n"]:
+        vocab_ids = jnp.arange(raw.shape[-1], dtype=jnp.uint32)[None, :]
         hashes = murmur3_hash32(
-            take(sampling.seed_lo, 0)[:, None],
-            take(sampling.seed_hi, 0)[:, None],
-            positions.astype(jnp.uint32)[:, None],
-            vocab_ids,
+            s.seed_lo[:, None], s.seed_hi[:, None], positions.astype(jnp.uint32)[:, None], vocab_ids
         )
         noisy = jnp.argmax(tempered + gumbel_from_hash(hashes), axis=-1)
         return jnp.where(is_greedy, greedy_tokens, noisy)
 
-    # An all-greedy batch never computes the noise.
-    tokens = jax.lax.cond(
-        jnp.all(is_greedy), lambda _: greedy_tokens, sample_random, None
+    tokens = jax.lax.cond(jnp.any(random_rows), add_noise, lambda _: greedy_tokens, None).astype(jnp.int32)
+    source = {"raw_logprobs": raw, "raw_logits": raw, "processed_logprobs": tempered, "processed_logits": tempered}
+    logprobs = compute_logprobs(
+        source[logprobs_mode], tokens, s.num_logprobs, max_logprobs, normalize=logprobs_mode.endswith("logprobs")
     )
-    return tokens.astype(jnp.int32)
+    return SamplerOutput(tokens, logprobs)

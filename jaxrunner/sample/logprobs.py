@@ -1,0 +1,54 @@
+"""Logprobs of the sampled (or given) token, its rank, and the top-n, in float32."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LogprobsTensors:
+    """Per row: column 0 is the chosen token, columns 1.. the top-``max_logprobs``."""
+
+    token_ids: Int[Array, "n k1"]
+    logprobs: Float[Array, "n k1"]
+    ranks: Int[Array, "n"]  # how many tokens score >= the chosen one
+
+
+def compute_logprobs(
+    values: Float[Array, "n V"],
+    chosen: Int[Array, "n"],
+    num_logprobs: Int[Array, "n"],
+    max_logprobs: int,
+    normalize: bool = True,
+) -> LogprobsTensors:
+    """Log-softmax (or the values as they are) of ``chosen`` and of the top tokens.
+
+    Skipped (zeros) when no row asks for logprobs; rows asking for fewer than
+    ``max_logprobs`` get them all and the host keeps what each asked for.
+    """
+    n = values.shape[0]
+
+    def compute(_: None) -> LogprobsTensors:
+        scores = jax.nn.log_softmax(values, axis=-1) if normalize else values
+        top_scores, top_ids = jax.lax.top_k(scores, max_logprobs)
+        chosen_score = jnp.take_along_axis(scores, chosen[:, None], axis=-1)
+        ranks = jnp.sum(scores >= chosen_score, axis=-1, dtype=jnp.int32)
+        return LogprobsTensors(
+            token_ids=jnp.concatenate([chosen[:, None], top_ids.astype(jnp.int32)], axis=1),
+            logprobs=jnp.concatenate([chosen_score, top_scores], axis=1),
+            ranks=ranks,
+        )
+
+    def skip(_: None) -> LogprobsTensors:
+        return LogprobsTensors(
+            token_ids=jnp.zeros((n, max_logprobs + 1), jnp.int32),
+            logprobs=jnp.zeros((n, max_logprobs + 1), jnp.float32),
+            ranks=jnp.zeros(n, jnp.int32),
+        )
+
+    return jax.lax.cond(jnp.any(num_logprobs > 0), compute, skip, None)
