@@ -19,6 +19,7 @@ from jaxrunner.model_runner import ModelRunner
 from jaxrunner.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxrunner.request import Request, RequestStatus
 from jaxrunner.scheduler import Scheduler
+from jaxrunner.structured_outputs import StructuredOutputManager
 
 
 @dataclasses.dataclass
@@ -55,6 +56,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.max_model_len = runner.max_model_len
+        self.structured_outputs = (
+            StructuredOutputManager(tokenizer, runner.vocab_size) if tokenizer is not None else None
+        )
         self._prompts: dict[str, _Prompt] = {}
         self._child_to_prompt: dict[str, _Prompt] = {}
         self._ids = itertools.count()
@@ -91,6 +95,13 @@ class LLMEngine:
             logprobs = [] if params.logprobs is not None else None
             sequences.append(_Sequence(request, self._detokenizer(token_ids, child_params), logprobs=logprobs))
         prompt_logprobs = [None] + [None] * (len(token_ids) - 1) if params.prompt_logprobs is not None else None
+        try:
+            self._add_grammars(sequences, params)
+        except ValueError as error:
+            return RequestOutput(
+                request_id, prompt_text, token_ids, [CompletionOutput(0, "", [], finish_reason="error")],
+                finished=True, error=str(error),
+            )
         entry = _Prompt(request_id, prompt_text, token_ids, sequences, arrival, prompt_logprobs)
         self._prompts[request_id] = entry
         for seq in sequences:
@@ -122,6 +133,22 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to detect stop strings.")
+
+    def _add_grammars(self, sequences: list[_Sequence], params: SamplingParams) -> None:
+        """One grammar matcher per sequence; none is left behind if one fails."""
+        if params.structured_outputs is None:
+            return
+        if self.structured_outputs is None:
+            raise ValueError("SamplingParams.structured_outputs needs a tokenizer.")
+        added = []
+        try:
+            for seq in sequences:
+                self.structured_outputs.add_request(seq.request.request_id, params.structured_outputs)
+                added.append(seq.request.request_id)
+        except ValueError:
+            for req_id in added:
+                self.structured_outputs.remove_request(req_id)
+            raise
 
     def _with_token_lists(self, params: SamplingParams) -> SamplingParams:
         """Add what the runner needs as token ids: min_tokens' stop ids and the bad words."""
@@ -166,21 +193,25 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens > 0:
-            runner_output = self.runner.sample_tokens(None)
+            grammar = None
+            if self.structured_outputs is not None:
+                grammar = self.structured_outputs.grammar_output(list(scheduler_output.num_scheduled_tokens))
+            runner_output = self.runner.sample_tokens(grammar)
         elif runner_output is None:
             runner_output = ModelRunnerOutput.make_empty()
         touched: dict[str, _Prompt] = {}
-        self._record_prompt_logprobs(runner_output, touched)
+        self._record_prompt_logprobs(runner_output)
         logprob_rows = self._logprob_rows(runner_output)
         for request, new_tokens in self.scheduler.update_from_output(scheduler_output, runner_output):
             entry = self._child_to_prompt[request.request_id]
             seq = next(s for s in entry.sequences if s.request is request)
             if seq.logprobs is not None:
                 self._record_logprobs(seq, runner_output, logprob_rows[request.request_id][: len(new_tokens)])
+            grammar_done = self._advance_grammar(request, new_tokens)
             stop_str = None
             if seq.detokenizer is not None:
                 # A stop token id (or EOS) ends the text without its own text, as in vLLM.
-                by_token = request.status == RequestStatus.FINISHED_STOPPED
+                by_token = request.status == RequestStatus.FINISHED_STOPPED and not grammar_done
                 stop_str = seq.detokenizer.update(
                     new_tokens, finished=request.is_finished, stop_terminated=by_token
                 )
@@ -218,7 +249,7 @@ class LLMEngine:
             seq.logprobs.append(entry)
             seq.cumulative_logprob += float(lists.logprobs[row][0])
 
-    def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput, touched: dict[str, _Prompt]) -> None:
+    def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
         for req_id, (first, lists) in runner_output.prompt_logprobs_dict.items():
             entry = self._child_to_prompt.get(req_id)
             if entry is None or entry.prompt_logprobs is None or entry.sequences[0].request.request_id != req_id:
@@ -228,6 +259,23 @@ class LLMEngine:
                 entry.prompt_logprobs[first + i] = self._logprob_dict(
                     lists.logprob_token_ids[i], lists.logprobs[i], lists.sampled_token_ranks[i], count
                 )
+
+    def _advance_grammar(self, request: Request, new_tokens: list[int]) -> bool:
+        """Feed sampled tokens to the matcher; True if that finished the request.
+
+        A complete grammar allows only EOS next, which ignore_eos or min_tokens
+        may forbid, so completion itself ends the request.
+        """
+        manager = self.structured_outputs
+        if manager is None or not manager.has(request.request_id) or request.is_finished:
+            return False
+        if not manager.accept_tokens(request.request_id, new_tokens):
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            return True
+        if manager.is_terminated(request.request_id):
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            return True
+        return False
 
     def _stop_on_string(self, request: Request, stop_str: str) -> None:
         if request.is_finished:
@@ -240,6 +288,8 @@ class LLMEngine:
         del self._prompts[entry.request_id]
         for seq in entry.sequences:
             del self._child_to_prompt[seq.request.request_id]
+            if self.structured_outputs is not None:
+                self.structured_outputs.remove_request(seq.request.request_id)
 
     def _make_output(self, entry: _Prompt, delta: bool) -> RequestOutput:
         completions = []
