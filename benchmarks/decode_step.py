@@ -94,6 +94,24 @@ def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng) 
     return times
 
 
+def build_runner(shape: str, batches: list[int], max_context: int, steps: int) -> ModelRunner:
+    """A runner on a random-weight model of ``shape``, buckets exactly ``batches``, a random KV cache."""
+    max_batch = max(batches)
+    max_model_len = max_context + steps + 16
+    config = RunnerConfig(
+        model_config=ModelConfig(dtype="bfloat16", max_model_len=max_model_len),
+        cache_config=CacheConfig(num_gpu_blocks_override=max_batch * (-(-max_model_len // 16)) + 16),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_batch),
+        compilation_config=CompilationConfig(token_buckets=sorted(set(batches)),
+                                             request_buckets=sorted(set(batches))),
+    )
+    runner = ModelRunner(config)
+    runner.load_model(init_random_model(SHAPES[shape], dtype="bfloat16", seed=0))
+    runner.initialize_kv_cache()
+    runner.kv_caches = fill_random(runner.kv_caches)
+    return runner
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
@@ -106,26 +124,10 @@ def main() -> None:
 
     device = jax.devices()[0]
     floors = measure_floors(args.floor_elements)
-    max_batch, max_context = max(args.batches), max(args.contexts)
-    max_model_len = max_context + args.steps + 16
-    config = RunnerConfig(
-        model_config=ModelConfig(dtype="bfloat16", max_model_len=max_model_len),
-        cache_config=CacheConfig(
-            num_gpu_blocks_override=max_batch * (-(-max_model_len // 16)) + 16
-        ),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_batch),
-        compilation_config=CompilationConfig(token_buckets=sorted(set(args.batches)),
-                                             request_buckets=sorted(set(args.batches))),
-    )
-    runner = ModelRunner(config)
     start = time.perf_counter()
-    model = init_random_model(SHAPES[args.shape], dtype="bfloat16", seed=0)
-    runner.load_model(model)
-    del model
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
-    runner.initialize_kv_cache()
-    runner.kv_caches = fill_random(runner.kv_caches)
+    runner = build_runner(args.shape, args.batches, max(args.contexts), args.steps)
     load_s = time.perf_counter() - start
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
     compile_s = runner.capture_model()
 
     rng = np.random.default_rng(0)
