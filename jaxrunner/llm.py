@@ -11,7 +11,14 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxrunner.builtin_models import DEFAULT_DTYPES, is_builtin, load_builtin
-from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from jaxrunner.config import (
+    CacheConfig,
+    CompilationConfig,
+    ModelConfig,
+    RunnerConfig,
+    SamplerConfig,
+    SchedulerConfig,
+)
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.kv_cache_manager import KVCacheManager
 from jaxrunner.llm_engine import LLMEngine
@@ -51,7 +58,9 @@ class LLM:
     ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
     ``gpu_memory_utilization``, ``num_gpu_blocks_override``,
     ``enable_prefix_caching``, ``enable_chunked_prefill``, ``token_buckets``,
-    ``request_buckets``, ``compilation_cache_dir`` and ``seed``.
+    ``request_buckets``, ``compilation_cache_dir``, ``max_logprobs``,
+    ``logprobs_mode`` (vLLM's: raw_logprobs, raw_logits, processed_logprobs,
+    processed_logits) and ``seed``.
     """
 
     def __init__(
@@ -70,6 +79,8 @@ class LLM:
         token_buckets: list[int] | None = None,
         request_buckets: list[int] | None = None,
         compilation_cache_dir: str | None = None,
+        max_logprobs: int = 20,
+        logprobs_mode: str = "raw_logprobs",
         seed: int = 0,
     ):
         on_cpu = jax.default_backend() == "cpu"
@@ -103,6 +114,7 @@ class LLM:
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
             compilation_config=compilation,
+            sampler_config=SamplerConfig(max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),
         )
         if not enable_chunked_prefill and (max_model_len or built.config.max_position_embeddings) > max_num_batched_tokens:
             logger.warning(

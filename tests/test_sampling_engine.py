@@ -63,6 +63,24 @@ def test_logprobs_and_prompt_logprobs_match_transformers(hf_dir, cache_dir):
         assert len(entry) <= 4 and set(np.argsort(-row)[:3].tolist()) <= set(entry)
 
 
+def test_processed_logprobs_follow_temperature_and_top_k(hf_dir, cache_dir):
+    """processed_logprobs: the distribution sampled from (after temperature and top-k)."""
+    llm = LLM(str(hf_dir), dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
+              num_gpu_blocks_override=32, token_buckets=[4, 16], request_buckets=[2],
+              compilation_cache_dir=cache_dir, logprobs_mode="processed_logprobs")
+    prompt = list(np.random.default_rng(2).integers(3, 259, 12))
+    params = SamplingParams(temperature=0.5, top_k=10, seed=4, max_tokens=4, logprobs=3, ignore_eos=True)
+    completion = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0].double().numpy()
+    for i, token in enumerate(completion.token_ids):
+        z = logits[len(prompt) - 1 + i] / 0.5
+        z = np.where(z >= np.sort(z)[-10], z, -np.inf)
+        expected = z[token] - np.log(np.sum(np.exp(z[np.isfinite(z)] - z.max()))) - z.max()
+        assert abs(completion.logprobs[i][token].logprob - expected) < 1e-4
+
+
 def test_seeded_request_is_the_same_alone_in_a_batch_of_64_and_at_another_bucket(cache_dir):
     llm = LLM("tiny-llama", max_num_seqs=72, max_num_batched_tokens=128, num_gpu_blocks_override=400,
               token_buckets=[8, 128], request_buckets=[1, 8, 72], compilation_cache_dir=cache_dir)
