@@ -10,7 +10,6 @@ their product. The KV cache and the device state are donated to each program.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import random

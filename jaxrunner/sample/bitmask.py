@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
@@ -53,3 +54,12 @@ def unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
     words = np.asarray(words, dtype=np.int32).view(np.uint32)
     bits = (words[..., None] >> np.arange(32, dtype=np.uint32)) & 1
     return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].astype(bool)
+
+
+def pack_bool_rows(mask: Bool[Array, "n V"]) -> Int[Array, "n W"]:
+    """Bit ``v % 32`` of word ``v // 32`` set where ``mask[:, v]``."""
+    n, vocab = mask.shape
+    words = num_words(vocab)
+    padded = jnp.pad(mask, ((0, 0), (0, words * 32 - vocab))).reshape(n, words, 32)
+    bits = padded.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+    return jax.lax.bitcast_convert_type(jnp.sum(bits, axis=-1, dtype=jnp.uint32), jnp.int32)

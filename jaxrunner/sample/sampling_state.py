@@ -19,7 +19,7 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 from jaxrunner.config import SamplerConfig
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.sample.bitmask import num_words as bitmask_words
-from jaxrunner.sample.bitmask import pack_token_ids
+from jaxrunner.sample.bitmask import pack_bool_rows, pack_token_ids
 from jaxrunner.sample.gumbel import split_seed
 
 
@@ -147,15 +147,6 @@ class SamplingArrays:
         rows = jnp.where(is_sampling, slots, self.output_counts.shape[0])
         counts = self.output_counts.at[rows, tokens].add(1, mode="drop")
         return dataclasses.replace(self, output_counts=counts)
-
-
-def pack_bool_rows(mask: Bool[Array, "n V"]) -> Int[Array, "n W"]:
-    """Bit ``v % 32`` of word ``v // 32`` set where ``mask[:, v]``."""
-    n, vocab = mask.shape
-    words = bitmask_words(vocab)
-    padded = jnp.pad(mask, ((0, 0), (0, words * 32 - vocab))).reshape(n, words, 32)
-    bits = padded.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
-    return jax.lax.bitcast_convert_type(jnp.sum(bits, axis=-1, dtype=jnp.uint32), jnp.int32)
 
 
 def pack_sampling_params(
