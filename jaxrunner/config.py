@@ -113,6 +113,28 @@ class SamplerConfig:
                 raise ValueError(f"SamplerConfig.{name} must be positive; got {getattr(self, name)}.")
 
 
+@dataclasses.dataclass
+class SpeculativeConfig:
+    """Speculative decoding: who proposes drafts and how many per step.
+
+    ``method`` "ngram" proposes by prompt lookup: the tokens that followed the
+    earlier occurrence of the history's last ``prompt_lookup_min``..``max`` tokens.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"SpeculativeConfig.method must be 'ngram'; got {self.method!r}.")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"SpeculativeConfig.num_speculative_tokens must be positive; got {self.num_speculative_tokens}."
+            )
+
+
 def default_cache_dir() -> str:
     return os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxrunner", "xla"
@@ -152,3 +174,8 @@ class RunnerConfig:
     scheduler_config: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
     sampler_config: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
+    speculative_config: SpeculativeConfig | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens

@@ -28,10 +28,11 @@ class StepShape:
     num_tokens: int  # the token bucket
     num_reqs: int  # request rows in the attention metadata: min(bucket, max_num_reqs)
     append_capacity: int  # block appends the step buffer carries
+    num_spec: int = 0  # draft tokens per request at most (speculative decoding)
 
     @property
     def buffer_words(self) -> int:
-        return 2 * self.num_reqs + 3 * self.append_capacity
+        return (3 + self.num_spec) * self.num_reqs + 3 * self.append_capacity
 
 
 @jax.tree_util.register_dataclass
@@ -41,8 +42,20 @@ class SampleRows:
 
     idx_mapping: Int[Array, "max_reqs"]  # request slot; max_num_reqs for padding
     num_scheduled: Int[Array, "max_reqs"]
-    positions: Int[Array, "max_reqs"]  # position of the row's last input token
+    num_drafts: Int[Array, "max_reqs"]
+    draft_tokens: Int[Array, "max_reqs K"]
+    # Input position of each logits row: row j scores the token after draft j - 1
+    # (row 0: after the last sampled or prompt token). Rows past num_drafts are padding.
+    positions: Int[Array, "max_reqs K1"]
     is_sampling: Bool[Array, "max_reqs"]  # False mid chunked prefill and for padding
+
+    @classmethod
+    def abstract(cls, max_num_reqs: int, num_spec: int) -> SampleRows:
+        i32 = lambda *shape: jax.ShapeDtypeStruct((max_num_reqs, *shape), jnp.int32)
+        return cls(
+            idx_mapping=i32(), num_scheduled=i32(), num_drafts=i32(), draft_tokens=i32(num_spec),
+            positions=i32(num_spec + 1), is_sampling=jax.ShapeDtypeStruct((max_num_reqs,), jnp.bool_),
+        )
 
 
 @dataclasses.dataclass
@@ -56,6 +69,7 @@ class InputBatch:
     num_tokens_after_padding: int
     num_reqs_after_padding: int  # the request bucket of logits and sampling
     is_sampling_np: np.ndarray  # bool [num_reqs]
+    num_drafts: np.ndarray  # int32 [num_reqs]: draft tokens to verify
 
     @property
     def num_reqs(self) -> int:
@@ -63,28 +77,37 @@ class InputBatch:
 
 
 def pack_step_buffer(
-    shape: StepShape, idx_mapping: np.ndarray, num_scheduled: np.ndarray, appends: np.ndarray,
-    pad_slot: int,
+    shape: StepShape, idx_mapping: np.ndarray, num_scheduled: np.ndarray, drafts: list[list[int]],
+    appends: np.ndarray, pad_slot: int,
 ) -> np.ndarray:
-    """``[slots | scheduled counts | block-append triples]`` as one int32 buffer."""
-    buf = np.zeros(shape.buffer_words, np.int32)
-    n = len(idx_mapping)
-    buf[: shape.num_reqs] = pad_slot
-    buf[:n] = idx_mapping
-    buf[shape.num_reqs : shape.num_reqs + n] = num_scheduled
-    buf[2 * shape.num_reqs :] = appends.reshape(-1)
-    return buf
+    """``[slots | scheduled counts | draft counts | drafts | block-append triples]``, one int32 buffer."""
+    r, k, n = shape.num_reqs, shape.num_spec, len(idx_mapping)
+    slots = np.full(r, pad_slot, np.int32)
+    slots[:n] = idx_mapping
+    scheduled, num_drafts = np.zeros(r, np.int32), np.zeros(r, np.int32)
+    scheduled[:n] = num_scheduled
+    draft_tokens = np.zeros((r, k), np.int32)
+    for i, tokens in enumerate(drafts):
+        num_drafts[i] = len(tokens)
+        draft_tokens[i, : len(tokens)] = tokens
+    return np.concatenate([slots, scheduled, num_drafts, draft_tokens.reshape(-1), appends.reshape(-1)])
 
 
 def prepare_inputs(
     state: DeviceState, step_buffer: Int[Array, "words"], shape: StepShape, block_size: int
-) -> tuple[DeviceState, Int[Array, "T"], Int[Array, "T"], AttentionMetadata, SampleRows]:
-    """Input ids, positions, attention metadata and sample rows for one step (in jit)."""
-    r = shape.num_reqs
+) -> tuple[DeviceState, Int[Array, "T"], Int[Array, "T"], AttentionMetadata, SampleRows, Int[Array, "R K1"]]:
+    """Input ids, positions, attention metadata, sample rows and logits indices (in jit).
+
+    A request with drafts is decoding: its first query token is its last
+    sampled token and the next ``num_drafts`` are the drafts, to be verified.
+    """
+    r, k = shape.num_reqs, shape.num_spec
     max_num_reqs = state.prefill_len.shape[0]
     idx_mapping = step_buffer[:r]
     num_scheduled = step_buffer[r : 2 * r]
-    appends = step_buffer[2 * r :].reshape(3, shape.append_capacity)
+    num_drafts = step_buffer[2 * r : 3 * r]
+    draft_tokens = step_buffer[3 * r : (3 + k) * r].reshape(r, k)
+    appends = step_buffer[(3 + k) * r :].reshape(3, shape.append_capacity)
     state = dataclasses.replace(state, block_table=apply_block_appends(state.block_table, appends))
 
     take = lambda a: a.at[idx_mapping].get(mode="fill", fill_value=0)
@@ -101,11 +124,15 @@ def prepare_inputs(
     token_req = jnp.clip(
         jnp.searchsorted(query_start_loc[1:], token_index, side="right"), 0, r - 1
     ).astype(jnp.int32)
-    positions = num_computed[token_req] + token_index - query_start_loc[token_req]
+    offset = token_index - query_start_loc[token_req]
+    positions = num_computed[token_req] + offset
     token_slot = idx_mapping[token_req]
     from_prefill = state.token_ids.at[token_slot, positions].get(mode="fill", fill_value=0)
     from_sampled = state.last_sampled_tokens.at[token_slot].get(mode="fill", fill_value=0)
     input_ids = jnp.where(positions < prefill_len[token_req], from_prefill, from_sampled)
+    if k:
+        from_draft = draft_tokens.at[token_req, offset - 1].get(mode="fill", fill_value=0)
+        input_ids = jnp.where((offset > 0) & (num_drafts[token_req] > 0), from_draft, input_ids)
     input_ids = jnp.where(is_real, input_ids, 0)
     slot_mapping = compute_slot_mapping(
         state.block_table, token_slot, positions, is_real, block_size
@@ -117,38 +144,54 @@ def prepare_inputs(
         block_tables=state.block_table.at[idx_mapping].get(mode="fill", fill_value=0),
         slot_mapping=slot_mapping,
     )
+    # Logits row j of request r: packed index of its draft j - 1 (row 0: the token before the drafts).
+    j = jnp.arange(k + 1)[None, :]
+    first_row = query_start_loc[1:, None] - 1 - num_drafts[:, None]
+    row_index = jnp.where(j <= num_drafts[:, None], first_row + j, query_start_loc[1:, None] - 1)
+    row_positions = (seq_lens - 1 - num_drafts)[:, None] + jnp.minimum(j, num_drafts[:, None])
     pad = max_num_reqs - r
-    pad_rows = lambda a, fill: jnp.pad(a, (0, pad), constant_values=fill) if pad > 0 else a
+    pad_rows = lambda a, fill: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill) if pad else a
     rows = SampleRows(
         idx_mapping=pad_rows(idx_mapping, max_num_reqs),
         num_scheduled=pad_rows(num_scheduled, 0),
-        positions=pad_rows(jnp.maximum(seq_lens - 1, 0), 0),
+        num_drafts=pad_rows(num_drafts, 0),
+        draft_tokens=pad_rows(draft_tokens, 0),
+        positions=pad_rows(jnp.maximum(row_positions, 0), 0),
         is_sampling=pad_rows((num_scheduled > 0) & (seq_lens >= prefill_len), False),
     )
-    return state, input_ids, positions, metadata, rows
-
-
-def logits_indices(metadata: AttentionMetadata) -> Int[Array, "num_reqs"]:
-    """The packed index of each request's last scheduled token."""
-    return jnp.maximum(metadata.query_start_loc[1:] - 1, 0)
+    return state, input_ids, positions, metadata, rows, jnp.maximum(row_index, 0)
 
 
 def post_update(
-    state: DeviceState, rows: SampleRows, sampled: Int[Array, "n"]
+    state: DeviceState, rows: SampleRows, output_tokens: Int[Array, "n K1"], num_sampled: Int[Array, "n"]
 ) -> DeviceState:
-    """Advance computed counts; store, count and remember each sampled token (in jit)."""
-    n = sampled.shape[0]
+    """Advance computed counts by the accepted tokens; store, count and remember them (in jit).
+
+    A row that samples emits ``num_sampled`` tokens (accepted drafts + 1);
+    its rejected drafts' positions are recomputed next step.
+    """
+    n, k1 = output_tokens.shape
     idx = rows.idx_mapping[:n]
     sampling_rows = rows.is_sampling[:n]
+    num_sampled = jnp.where(sampling_rows, num_sampled, 0)
+    rejected = jnp.where(sampling_rows, rows.num_drafts[:n] - (num_sampled - 1), 0)
+    emitted = jnp.arange(k1)[None, :] < num_sampled[:, None]
+    last = jnp.take_along_axis(output_tokens, jnp.maximum(num_sampled - 1, 0)[:, None], axis=1)[:, 0]
     keep_old = state.last_sampled_tokens.at[idx].get(mode="fill", fill_value=0)
-    # The sampled token sits at the position after the row's last input token.
-    token_rows = jnp.where(sampling_rows, idx, state.token_ids.shape[0])
+    # Output token j sits after the row's first input position, at position + 1 + j.
+    token_rows = jnp.where(emitted, idx[:, None], state.token_ids.shape[0])
+    token_pos = rows.positions[:n, :1] + 1 + jnp.arange(k1)[None, :]
+    sampling = state.sampling
+    for j in range(k1):
+        sampling = sampling.record_sampled(idx, output_tokens[:, j], emitted[:, j])
     return dataclasses.replace(
         state,
-        token_ids=state.token_ids.at[token_rows, rows.positions[:n] + 1].set(sampled, mode="drop"),
-        num_computed_tokens=state.num_computed_tokens.at[idx].add(rows.num_scheduled[:n], mode="drop"),
-        last_sampled_tokens=state.last_sampled_tokens.at[idx].set(
-            jnp.where(sampling_rows, sampled, keep_old), mode="drop"
+        token_ids=state.token_ids.at[token_rows, token_pos].set(output_tokens, mode="drop"),
+        num_computed_tokens=state.num_computed_tokens.at[idx].add(
+            rows.num_scheduled[:n] - rejected, mode="drop"
         ),
-        sampling=state.sampling.record_sampled(idx, sampled, sampling_rows),
+        last_sampled_tokens=state.last_sampled_tokens.at[idx].set(
+            jnp.where(sampling_rows, last, keep_old), mode="drop"
+        ),
+        sampling=sampling,
     )

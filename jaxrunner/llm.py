@@ -18,6 +18,7 @@ from jaxrunner.config import (
     RunnerConfig,
     SamplerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.kv_cache_manager import KVCacheManager
@@ -60,7 +61,8 @@ class LLM:
     ``enable_prefix_caching``, ``enable_chunked_prefill``, ``token_buckets``,
     ``request_buckets``, ``compilation_cache_dir``, ``max_logprobs``,
     ``logprobs_mode`` (vLLM's: raw_logprobs, raw_logits, processed_logprobs,
-    processed_logits) and ``seed``.
+    processed_logits), ``speculative_config`` (e.g. ``{"method": "ngram",
+    "num_speculative_tokens": 3}``) and ``seed``.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class LLM:
         compilation_cache_dir: str | None = None,
         max_logprobs: int = 20,
         logprobs_mode: str = "raw_logprobs",
+        speculative_config: SpeculativeConfig | dict | None = None,
         seed: int = 0,
     ):
         on_cpu = jax.default_backend() == "cpu"
@@ -115,6 +118,9 @@ class LLM:
             ),
             compilation_config=compilation,
             sampler_config=SamplerConfig(max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),
+            speculative_config=(
+                SpeculativeConfig(**speculative_config) if isinstance(speculative_config, dict) else speculative_config
+            ),
         )
         if not enable_chunked_prefill and (max_model_len or built.config.max_position_embeddings) > max_num_batched_tokens:
             logger.warning(

@@ -19,6 +19,7 @@ from jaxrunner.model_runner import ModelRunner
 from jaxrunner.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxrunner.request import Request, RequestStatus
 from jaxrunner.scheduler import Scheduler
+from jaxrunner.spec_decode.ngram_proposer import NgramProposer
 from jaxrunner.structured_outputs import StructuredOutputManager
 
 
@@ -52,6 +53,10 @@ class LLMEngine:
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer=None):
         self.runner = runner
+        spec = runner.config.speculative_config
+        self.proposer = None if spec is None else NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, runner.max_model_len
+        )
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -133,6 +138,11 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to detect stop strings.")
+        if self.proposer is not None and (params.logprobs is not None or params.structured_outputs is not None):
+            raise ValueError(
+                "SamplingParams.logprobs and structured_outputs are not supported with speculative decoding yet; "
+                "turn speculative decoding off for these requests' engine."
+            )
 
     def _add_grammars(self, sequences: list[_Sequence], params: SamplingParams) -> None:
         """One grammar matcher per sequence; none is left behind if one fails."""
@@ -218,11 +228,26 @@ class LLMEngine:
             if stop_str is not None:
                 self._stop_on_string(request, stop_str)
             touched[entry.request_id] = entry
+        if self.proposer is not None:
+            self._propose_drafts()
         outputs = [self._make_output(entry, delta) for entry in touched.values()]
         for entry in touched.values():
             if entry.finished:
                 self._release(entry)
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """N-gram drafts for every decoding request, within its remaining token allowance."""
+        for request in self.scheduler.running:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # still prefilling
+            params = request.sampling_params
+            left = self.max_model_len - request.num_tokens
+            if params.max_tokens is not None:
+                left = min(left, params.max_tokens - len(request.output_token_ids))
+            # The step emits drafts + 1 tokens: never more than the request may still produce.
+            drafts = self.proposer.propose(request.all_token_ids)[: max(left - 1, 0)]
+            request.spec_token_ids = drafts
 
     @staticmethod
     def _logprob_rows(runner_output: ModelRunnerOutput) -> dict[str, range]:

@@ -30,7 +30,6 @@ from jaxrunner.input_batch import (
     InputBatch,
     SampleRows,
     StepShape,
-    logits_indices,
     pack_step_buffer,
     post_update,
     prepare_inputs,
@@ -45,7 +44,8 @@ from jaxrunner.kv_cache import (
 )
 from jaxrunner.models import CausalLM, TransformerConfig, load_model
 from jaxrunner.sample.logprobs import LogprobsTensors, compute_logprobs
-from jaxrunner.sample.sampler import sample
+from jaxrunner.sample.sampler import prepare_logits, sample
+from jaxrunner.spec_decode.rejection_sampler import rejection_sample
 from jaxrunner.sample.sampling_state import bitmask_words, check_logprobs_count, pack_sampling_params
 from jaxrunner.states import DeviceState, RequestState, write_new_requests
 
@@ -66,6 +66,7 @@ class ModelRunner:
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.block_size = config.cache_config.block_size
+        self.num_spec = config.num_speculative_tokens
         self.token_buckets = make_ladder(
             config.compilation_config.token_buckets, self.max_num_tokens, "token_buckets"
         )
@@ -162,7 +163,9 @@ class ModelRunner:
     def _step_shape(self, num_tokens: int) -> StepShape:
         num_reqs = min(num_tokens, self.max_num_reqs)
         capacity = BlockTables.append_capacity(num_tokens, num_reqs, self.block_size)
-        return StepShape(num_tokens=num_tokens, num_reqs=num_reqs, append_capacity=capacity)
+        return StepShape(
+            num_tokens=num_tokens, num_reqs=num_reqs, append_capacity=capacity, num_spec=self.num_spec
+        )
 
     def _abstract(self, tree: Any) -> Any:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
@@ -172,27 +175,48 @@ class ModelRunner:
 
         def forward(params, kv_caches, state, step_buffer, *, shape: StepShape):
             model = nnx.merge(graphdef, params)
-            state, input_ids, positions, metadata, rows = prepare_inputs(
+            state, input_ids, positions, metadata, rows, row_index = prepare_inputs(
                 state, step_buffer, shape, block_size
             )
             hidden, kv_caches = model(input_ids, positions, kv_caches, metadata)
-            sample_hidden = hidden[logits_indices(metadata)]
+            sample_hidden = hidden[row_index]  # [requests, 1 + drafts, hidden]
             pad = self.max_num_reqs - shape.num_reqs
-            sample_hidden = jnp.pad(sample_hidden, ((0, pad), (0, 0)))
+            sample_hidden = jnp.pad(sample_hidden, ((0, pad), (0, 0), (0, 0)))
             return kv_caches, state, sample_hidden, rows, hidden
 
         sampler_config = self.config.sampler_config
 
+        num_spec = self.num_spec
+
         def sample_step(params, sample_hidden, rows, state, grammar_bitmask, grammar_active, *, num_rows: int):
             model = nnx.merge(graphdef, params)
-            logits = model.compute_logits(sample_hidden[:num_rows])
             head = jax.tree.map(lambda a: a[:num_rows], rows)
-            output = sample(
-                logits, state.sampling, state.token_ids, head.idx_mapping, head.positions,
-                grammar_bitmask, grammar_active,
-                max_logprobs=sampler_config.max_logprobs, logprobs_mode=sampler_config.logprobs_mode,
+            if num_spec == 0:
+                logits = model.compute_logits(sample_hidden[:num_rows, 0])
+                output = sample(
+                    logits, state.sampling, state.token_ids, head.idx_mapping, head.positions[:, 0],
+                    grammar_bitmask, grammar_active,
+                    max_logprobs=sampler_config.max_logprobs, logprobs_mode=sampler_config.logprobs_mode,
+                )
+                tokens = output.sampled_token_ids[:, None]
+                return post_update(state, rows, tokens, jnp.ones(num_rows, jnp.int32)), tokens, output.logprobs
+            # Verification: every logits row of a request goes through the full pipeline.
+            k1 = num_spec + 1
+            flat = lambda a: a.reshape(num_rows * k1, *a.shape[2:])
+            logits = model.compute_logits(flat(sample_hidden[:num_rows]))
+            repeat = lambda a: jnp.repeat(a, k1, axis=0)
+            prepared = prepare_logits(
+                logits, state.sampling, state.token_ids, repeat(head.idx_mapping), flat(head.positions),
+                repeat(grammar_bitmask), repeat(grammar_active),
             )
-            return post_update(state, rows, output.sampled_token_ids), output
+            unflat = lambda a: a.reshape(num_rows, k1, *a.shape[1:])
+            verify = jnp.where(prepared.is_greedy[:, None], prepared.processed, prepared.tempered)
+            tokens, num_sampled = rejection_sample(
+                unflat(verify), head.draft_tokens, head.num_drafts, None,
+                unflat(prepared.is_greedy)[:, 0], prepared.rows.seed_lo[::k1], prepared.rows.seed_hi[::k1],
+                head.positions,
+            )
+            return post_update(state, rows, tokens, num_sampled), tokens, None
 
         def prompt_logprobs(params, hidden, targets, num_logprobs):
             """Raw logprobs of each next prompt token, in row chunks to bound the logits' memory."""
@@ -218,15 +242,10 @@ class ModelRunner:
         )
         prompt_logprobs_jit = jax.jit(prompt_logprobs)
         words = bitmask_words(self.vocab_size)
-        hidden_spec = jax.ShapeDtypeStruct((self.max_num_reqs, self.model_arch.hidden_size), self.model.dtype)
-        rows_spec = self._abstract(
-            SampleRows(
-                idx_mapping=jnp.zeros(self.max_num_reqs, jnp.int32),
-                num_scheduled=jnp.zeros(self.max_num_reqs, jnp.int32),
-                positions=jnp.zeros(self.max_num_reqs, jnp.int32),
-                is_sampling=jnp.zeros(self.max_num_reqs, jnp.bool_),
-            )
+        hidden_spec = jax.ShapeDtypeStruct(
+            (self.max_num_reqs, self.num_spec + 1, self.model_arch.hidden_size), self.model.dtype
         )
+        rows_spec = SampleRows.abstract(self.max_num_reqs, self.num_spec)
         self._sample_programs = CompiledPrograms(
             "sample",
             lambda b: sample_jit.lower(
@@ -337,7 +356,12 @@ class ModelRunner:
         request_bucket = pad_to_bucket(len(req_ids), self.request_buckets, "requests")
         shape = self._step_shape(token_bucket)
         appends = self.block_tables.take_staged(shape.append_capacity)
-        buffer = pack_step_buffer(shape, idx_mapping, num_scheduled, appends, self.max_num_reqs)
+        drafts = [scheduler_output.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
+        if any(len(d) > self.num_spec for d in drafts):
+            raise ValueError(
+                f"A request carries more than num_speculative_tokens ({self.num_spec}) draft tokens."
+            )
+        buffer = pack_step_buffer(shape, idx_mapping, num_scheduled, drafts, appends, self.max_num_reqs)
         is_sampling = seq_lens >= self.req_states.prefill_len[idx_mapping]
         batch = InputBatch(
             req_ids=req_ids,
@@ -347,6 +371,7 @@ class ModelRunner:
             num_tokens_after_padding=token_bucket,
             num_reqs_after_padding=request_bucket,
             is_sampling_np=is_sampling,
+            num_drafts=np.array([len(d) for d in drafts], np.int32),
         )
         return batch, buffer
 
@@ -376,16 +401,21 @@ class ModelRunner:
         bucket = batch.num_reqs_after_padding
         bitmask, active = self._grammar_rows(batch, grammar_output)
         program = self._sample_programs.get(bucket)
-        self.device_state, output = program(self.params, sample_hidden, rows, self.device_state, bitmask, active)
+        self.device_state, tokens, logprobs = program(
+            self.params, sample_hidden, rows, self.device_state, bitmask, active
+        )
         prompt_logprobs = self._prompt_logprobs_of(batch, hidden)
-        self.req_states.num_computed_tokens[batch.idx_mapping_np] += batch.num_scheduled_tokens
-        tokens_np = np.asarray(output.sampled_token_ids)[: batch.num_reqs]
-        sampled = [[int(t)] if s else [] for t, s in zip(tokens_np, batch.is_sampling_np)]
+        tokens_np = np.asarray(tokens)[: batch.num_reqs]
+        sampled = [
+            [int(t) for t in row if t >= 0] if s else [] for row, s in zip(tokens_np, batch.is_sampling_np)
+        ]
+        rejected = [batch.num_drafts[i] - (len(t) - 1) if t else 0 for i, t in enumerate(sampled)]
+        self.req_states.num_computed_tokens[batch.idx_mapping_np] += batch.num_scheduled_tokens - rejected
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
             sampled_token_ids=sampled,
-            logprobs=self._logprobs_lists(batch, output.logprobs),
+            logprobs=None if logprobs is None else self._logprobs_lists(batch, logprobs),
             prompt_logprobs_dict=prompt_logprobs,
         )
 

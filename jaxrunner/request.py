@@ -41,6 +41,8 @@ class Request:
     # The token id or stop string that ended the request, if any.
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Draft tokens proposed for the next step (speculative decoding).
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
     finished_time: float | None = None
 

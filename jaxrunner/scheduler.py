@@ -12,6 +12,7 @@ all its tokens. No request is ever dropped.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -19,6 +20,35 @@ from jaxrunner.config import SchedulerConfig
 from jaxrunner.interfaces import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from jaxrunner.kv_cache_manager import KVCacheManager
 from jaxrunner.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class SpecDecodingStats:
+    """Draft acceptance: per verification step and per draft position."""
+
+    num_steps: int = 0  # request-steps that verified drafts
+    num_drafts: int = 0
+    num_accepted: int = 0
+    drafted_at: list[int] = dataclasses.field(default_factory=list)
+    accepted_at: list[int] = dataclasses.field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_steps += 1
+        self.num_drafts += num_drafts
+        self.num_accepted += num_accepted
+        for counts, n in ((self.drafted_at, num_drafts), (self.accepted_at, num_accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for j in range(n):
+                counts[j] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts + 1 (vLLM's mean acceptance length)."""
+        return 1.0 + self.num_accepted / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / d for a, d in zip(self.accepted_at + [0] * len(self.drafted_at), self.drafted_at)]
 
 
 class Scheduler:
@@ -35,6 +65,7 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_scheduled_tokens_total = 0
+        self.spec_stats = SpecDecodingStats()
 
     # ------------------------------------------------------------- requests
 
@@ -73,6 +104,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
@@ -80,9 +112,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining + len(request.spec_token_ids), budget)
+            if not self.config.enable_chunked_prefill and num_new < remaining:
                 break
+            drafts = request.spec_token_ids[: max(num_new - remaining, 0)]
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request.request_id, request.all_token_ids, num_new, request.num_computed_tokens
@@ -100,6 +134,8 @@ class Scheduler:
             cached.num_computed_tokens.append(request.num_computed_tokens)
             cached.new_block_ids.append((new_blocks,) if new_blocks else None)
             num_scheduled[request.request_id] = num_new
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             budget -= num_new
             index += 1
 
@@ -146,6 +182,7 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
         )
@@ -154,6 +191,7 @@ class Scheduler:
         self.kv_cache_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -170,6 +208,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or not sampled or request.status != RequestStatus.RUNNING:
                 continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            request.spec_token_ids = []
+            if drafts:
+                # Rejected drafts' KV positions are recomputed: they were never computed.
+                request.num_computed_tokens -= len(drafts) - (len(sampled) - 1)
+                self.spec_stats.record(len(drafts), len(sampled) - 1)
             new_tokens = []
             for token in sampled:
                 request.output_token_ids.append(token)

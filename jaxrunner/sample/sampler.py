@@ -82,6 +82,66 @@ def process_logits(
     return _when(jnp.any(s.bad_words >= 0), lambda x: apply_bad_words(x, s.bad_words, history), logits)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PreparedLogits:
+    """The stages before the draw: what sampling, rejection and logprobs read."""
+
+    raw: Logits  # float32 model logits
+    processed: Logits  # after the processors; greedy rows take its argmax
+    tempered: Logits  # processed / temperature, min-p, top-k and top-p applied
+    is_greedy: Bool[Array, "n"]
+    rows: SamplingArrays  # the batch's rows of the sampling state
+
+
+def prepare_logits(
+    logits: Logits,
+    sampling: SamplingArrays,
+    token_ids: Int[Array, "R L"],
+    idx_mapping: Int[Array, "n"],
+    positions: Int[Array, "n"],
+    grammar_bitmask: Int[Array, "n W"],
+    grammar_active: Bool[Array, "n"],
+) -> PreparedLogits:
+    """Row i uses the state of request slot ``idx_mapping[i]``; ``positions`` is its last input's."""
+    raw = logits.astype(jnp.float32)
+    s = _rows(sampling, idx_mapping)
+    history = _history(token_ids, idx_mapping, positions, s.bad_words.shape[-1] - 1)
+    processed = process_logits(raw, s, positions, history, grammar_bitmask, grammar_active)
+    is_greedy = s.temperature <= 0.0
+    tempered = processed / jnp.where(is_greedy, 1.0, s.temperature)[:, None]
+    random_rows = ~is_greedy
+    tempered = _when(
+        jnp.any(random_rows & (s.min_p > 0)),
+        lambda x: apply_min_p(x, jnp.where(random_rows, s.min_p, 0.0)),
+        tempered,
+    )
+    filters = random_rows & ((s.top_k > 0) | (s.top_p < 1.0))
+    tempered = _when(
+        jnp.any(filters),
+        lambda x: apply_top_k_top_p(x, jnp.where(filters, s.top_k, 0), jnp.where(filters, s.top_p, 1.0)),
+        tempered,
+    )
+    return PreparedLogits(raw, processed, tempered, is_greedy, s)
+
+
+def draw(prepared: PreparedLogits, positions: Int[Array, "n"]) -> Int[Array, "n"]:
+    """Argmax for greedy rows; seeded Gumbel-max over the tempered logits for the others."""
+    s = prepared.rows
+    greedy_tokens = jnp.argmax(prepared.processed, axis=-1)
+
+    def add_noise(_: None) -> Int[Array, "n"]:
+        vocab_ids = jnp.arange(prepared.raw.shape[-1], dtype=jnp.uint32)[None, :]
+        hashes = murmur3_hash32(
+            s.seed_lo[:, None], s.seed_hi[:, None], positions.astype(jnp.uint32)[:, None], vocab_ids
+        )
+        noisy = jnp.argmax(prepared.tempered + gumbel_from_hash(hashes), axis=-1)
+        return jnp.where(prepared.is_greedy, greedy_tokens, noisy)
+
+    any_random = jnp.any(~prepared.is_greedy)
+    return jax.lax.cond(any_random, add_noise, lambda _: greedy_tokens, None).astype(jnp.int32)
+
+
 def sample(
     logits: Logits,
     sampling: SamplingArrays,
@@ -94,38 +154,11 @@ def sample(
     max_logprobs: int,
     logprobs_mode: str,
 ) -> SamplerOutput:
-    """One token per row; row i uses the state of request slot ``idx_mapping[i]``.
-
-    ``positions`` is each row's last input position: the seeded noise is a
-    function of (seed, position, token id).
-    """
-    raw = logits.astype(jnp.float32)
-    s = _rows(sampling, idx_mapping)
-    history = _history(token_ids, idx_mapping, positions, s.bad_words.shape[-1] - 1)
-    processed = process_logits(raw, s, positions, history, grammar_bitmask, grammar_active)
-    is_greedy = s.temperature <= 0.0
-    tempered = processed / jnp.where(is_greedy, 1.0, s.temperature)[:, None]
-    random_rows = ~is_greedy
-    tempered = _when(jnp.any(random_rows & (s.min_p > 0)), lambda x: apply_min_p(x, jnp.where(random_rows, s.min_p, 0.0)), tempered)
-    filters = random_rows & ((s.top_k > 0) | (s.top_p < 1.0))
-    tempered = _when(
-        jnp.any(filters),
-        lambda x: apply_top_k_top_p(x, jnp.where(filters, s.top_k, 0), jnp.where(filters, s.top_p, 1.0)),
-        tempered,
-    )
-    greedy_tokens = jnp.argmax(processed, axis=-1)
-
-    def add_noise(_: None) -> Int[Array, "n"]:
-        vocab_ids = jnp.arange(raw.shape[-1], dtype=jnp.uint32)[None, :]
-        hashes = murmur3_hash32(
-            s.seed_lo[:, None], s.seed_hi[:, None], positions.astype(jnp.uint32)[:, None], vocab_ids
-        )
-        noisy = jnp.argmax(tempered + gumbel_from_hash(hashes), axis=-1)
-        return jnp.where(is_greedy, greedy_tokens, noisy)
-
-    tokens = jax.lax.cond(jnp.any(random_rows), add_noise, lambda _: greedy_tokens, None).astype(jnp.int32)
-    source = {"raw_logprobs": raw, "raw_logits": raw, "processed_logprobs": tempered, "processed_logits": tempered}
+    """One token per row, and the logprobs the rows asked for."""
+    prepared = prepare_logits(logits, sampling, token_ids, idx_mapping, positions, grammar_bitmask, grammar_active)
+    tokens = draw(prepared, positions)
+    source = prepared.raw if logprobs_mode.startswith("raw") else prepared.tempered
     logprobs = compute_logprobs(
-        source[logprobs_mode], tokens, s.num_logprobs, max_logprobs, normalize=logprobs_mode.endswith("logprobs")
+        source, tokens, prepared.rows.num_logprobs, max_logprobs, normalize=logprobs_mode.endswith("logprobs")
     )
     return SamplerOutput(tokens, logprobs)

@@ -1,0 +1,1 @@
+"""Speculative decoding: verifying draft tokens against the target model."""

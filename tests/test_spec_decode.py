@@ -1,0 +1,57 @@
+"""Speculative decoding through the engine: greedy equivalence, acceptance, no recompiles."""
+
+import numpy as np
+import pytest
+
+from jaxrunner.buckets import CompileCounter
+from jaxrunner.interfaces import SamplingParams
+from jaxrunner.llm import LLM
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+def make_llm(cache_dir, spec: bool):
+    return LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=200,
+               token_buckets=[8, 16, 32, 64], request_buckets=[2, 4], compilation_cache_dir=cache_dir,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None)
+
+
+def prompts():
+    rng = np.random.default_rng(0)
+    phrase = rng.integers(3, 259, 7).tolist()
+    repetitive = [phrase * 4, (phrase[:3] * 6)[:17], phrase * 2 + [5, 6]]
+    return repetitive + [rng.integers(3, 259, n).tolist() for n in (5, 40, 11, 23)]
+
+
+def test_greedy_outputs_equal_without_speculation_and_drafts_are_accepted(cache_dir):
+    batch = prompts()  # 7 prompts over 4 slots: prefills join while others decode
+    plain = [o.outputs[0].token_ids for o in make_llm(cache_dir, spec=False).generate(batch, GREEDY, use_tqdm=False)]
+    spec_llm = make_llm(cache_dir, spec=True)
+    compiled = CompileCounter.count()
+    speculative = [o.outputs[0].token_ids for o in spec_llm.generate(batch, GREEDY, use_tqdm=False)]
+    assert speculative == plain
+    stats = spec_llm.llm_engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and stats.mean_accepted_length > 1.0
+    assert all(0.0 <= rate <= 1.0 for rate in stats.acceptance_rate_per_position)
+    assert CompileCounter.count() == compiled  # every program was precompiled
+    manager = spec_llm.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks
+
+
+def test_seeded_sampling_with_speculation_is_reproducible_and_within_limits(cache_dir):
+    llm = make_llm(cache_dir, spec=True)
+    params = SamplingParams(temperature=0.8, seed=9, max_tokens=15, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+    assert first == again and all(len(t) == 15 for t in first)
+
+
+def test_logprobs_with_speculation_are_refused_per_request(cache_dir):
+    llm = make_llm(cache_dir, spec=True)
+    out = llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(logprobs=2), GREEDY], use_tqdm=False)
+    assert "speculative" in out[0].error and out[1].error is None
