@@ -19,6 +19,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for name, kind in _ENGINE_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="turn on n-gram speculative decoding with this many drafts per step")
     parser.add_argument("--token-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--request-buckets", type=int, nargs="+", default=None)
 
@@ -28,6 +30,8 @@ def _make_llm(args: argparse.Namespace):
 
     names = [*_ENGINE_FLAGS, "token_buckets", "request_buckets"]
     kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    if args.num_speculative_tokens:
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
     return LLM(args.model, enable_prefix_caching=not args.no_prefix_caching, **kwargs)
 
 
@@ -73,7 +77,10 @@ def _bench(args: argparse.Namespace) -> None:
     vocab = llm.llm_engine.runner.vocab_size
     input_lens = _lengths(rng, args.input_len, args.range_ratio, args.num_prompts)
     output_lens = _lengths(rng, args.output_len, args.range_ratio, args.num_prompts)
-    prompts = [rng.integers(0, vocab, n).tolist() for n in input_lens]
+    if args.repetitive:  # a short random phrase repeated: what prompt lookup can exploit
+        prompts = [np.resize(rng.integers(0, vocab, 16), n).tolist() for n in input_lens]
+    else:
+        prompts = [rng.integers(0, vocab, n).tolist() for n in input_lens]
     params = [SamplingParams(temperature=0.0 if args.greedy else 1.0, max_tokens=int(n), ignore_eos=True)
               for n in output_lens]
     start = time.perf_counter()
@@ -94,6 +101,12 @@ def _bench(args: argparse.Namespace) -> None:
         "prefix_cache_hit_rate": manager.stats.hit_rate,
         "kv_cache_blocks": manager.num_usable_blocks,
     }
+    spec = llm.llm_engine.scheduler.spec_stats
+    if spec.num_steps:
+        result["mean_accepted_length"] = spec.mean_accepted_length
+        result["acceptance_rate_per_position"] = spec.acceptance_rate_per_position
+        print(f"speculative: mean accepted length {spec.mean_accepted_length:.2f}, per position "
+              + ", ".join(f"{r:.2f}" for r in spec.acceptance_rate_per_position))
     print(f"{len(outputs)} requests in {elapsed:.1f} s: {result['requests_per_s']:.2f} req/s, "
           f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s")
     for name in ("ttft_ms", "tpot_ms"):
@@ -125,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--range-ratio", type=float, default=0.0,
                        help="lengths uniform in len * [1 - r, 1 + r]")
     bench.add_argument("--greedy", action="store_true")
+    bench.add_argument("--repetitive", action="store_true", help="prompts repeat a 16-token phrase")
     bench.add_argument("--workload-seed", type=int, default=0)
     bench.add_argument("--output-json", default=None)
     bench.add_argument("--quiet", action="store_true")
