@@ -119,16 +119,21 @@ class SpeculativeConfig:
 
     ``method`` "ngram" proposes by prompt lookup: the tokens that followed the
     earlier occurrence of the history's last ``prompt_lookup_min``..``max`` tokens.
+    "draft_model" decodes the drafts greedily with ``model`` (a checkpoint
+    directory or built-in name of the target's vocabulary) on the device.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"SpeculativeConfig.method must be 'ngram'; got {self.method!r}.")
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(
+                f"SpeculativeConfig.method must be 'ngram' or 'draft_model'; got {self.method!r}."
+            )
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"SpeculativeConfig.num_speculative_tokens must be positive; got {self.num_speculative_tokens}."
@@ -179,3 +184,7 @@ class RunnerConfig:
     @property
     def num_speculative_tokens(self) -> int:
         return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.speculative_config is not None and self.speculative_config.method == "draft_model"

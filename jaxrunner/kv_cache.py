@@ -52,30 +52,33 @@ def determine_num_blocks(
     device: jax.Device,
     activation_bytes: int,
     max_useful_blocks: int,
+    extra_bytes_per_block: int = 0,
 ) -> int:
     """Blocks that fit in what weights and the profiled activations leave.
 
     On a GPU: ``bytes_limit * gpu_memory_utilization - bytes_in_use - activations``.
     Where the backend keeps no statistics (the CPU), the cache gets
     ``cpu_kv_cache_bytes``, capped at what the runner can ever address.
+    ``extra_bytes_per_block`` is a second cache on the same block ids (a draft model's).
     """
+    bytes_per_block = spec.bytes_per_block + extra_bytes_per_block
     if cache_config.num_gpu_blocks_override is not None:
         return cache_config.num_gpu_blocks_override
     stats = device_memory_stats(device)
     if stats is None:
         budget = cache_config.cpu_kv_cache_bytes
-        num_blocks = min(budget // spec.bytes_per_block, max_useful_blocks)
+        num_blocks = min(budget // bytes_per_block, max_useful_blocks)
     else:
         limit = stats["bytes_limit"] * cache_config.gpu_memory_utilization
         budget = int(limit - stats["bytes_in_use"] - activation_bytes)
-        num_blocks = budget // spec.bytes_per_block
+        num_blocks = budget // bytes_per_block
         logger.info(
             "KV cache: %.2f GiB limit, %.2f GiB in use, %.2f GiB activations -> %d blocks",
             limit / 2**30, stats["bytes_in_use"] / 2**30, activation_bytes / 2**30, num_blocks,
         )
     if num_blocks < 2:
         raise ValueError(
-            f"Only {max(num_blocks, 0)} KV cache blocks fit ({spec.bytes_per_block} bytes each, "
+            f"Only {max(num_blocks, 0)} KV cache blocks fit ({bytes_per_block} bytes each, "
             f"budget {max(budget, 0)} bytes). Raise gpu_memory_utilization, lower "
             "max_num_batched_tokens, or use a smaller model."
         )

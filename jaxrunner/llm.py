@@ -132,7 +132,8 @@ class LLM:
         num_blocks = runner.initialize_kv_cache()
         runner.capture_model()
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
-        scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, runner.max_model_len)
+        lookahead = config.num_speculative_tokens if config.uses_draft_model else 0
+        scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, runner.max_model_len, lookahead)
         self.llm_engine = LLMEngine(runner, scheduler, self.tokenizer)
         self.config = config
 

@@ -54,9 +54,12 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer=None):
         self.runner = runner
         spec = runner.config.speculative_config
-        self.proposer = None if spec is None else NgramProposer(
-            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, runner.max_model_len
-        )
+        self.num_spec = runner.config.num_speculative_tokens
+        self.proposer = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, runner.max_model_len
+            )
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -138,7 +141,7 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to detect stop strings.")
-        if self.proposer is not None and (params.logprobs is not None or params.structured_outputs is not None):
+        if self.num_spec and (params.logprobs is not None or params.structured_outputs is not None):
             raise ValueError(
                 "SamplingParams.logprobs and structured_outputs are not supported with speculative decoding yet; "
                 "turn speculative decoding off for these requests' engine."
@@ -228,7 +231,7 @@ class LLMEngine:
             if stop_str is not None:
                 self._stop_on_string(request, stop_str)
             touched[entry.request_id] = entry
-        if self.proposer is not None:
+        if self.num_spec:
             self._propose_drafts()
         outputs = [self._make_output(entry, delta) for entry in touched.values()]
         for entry in touched.values():
@@ -237,7 +240,11 @@ class LLMEngine:
         return outputs
 
     def _propose_drafts(self) -> None:
-        """N-gram drafts for every decoding request, within its remaining token allowance."""
+        """Drafts for every decoding request, within its remaining token allowance.
+
+        N-gram drafts are proposed here; a draft model leaves its drafts on the
+        device, so the scheduler gets placeholders that only carry their number.
+        """
         for request in self.scheduler.running:
             if request.num_computed_tokens != request.num_tokens - 1:
                 continue  # still prefilling
@@ -246,8 +253,11 @@ class LLMEngine:
             if params.max_tokens is not None:
                 left = min(left, params.max_tokens - len(request.output_token_ids))
             # The step emits drafts + 1 tokens: never more than the request may still produce.
-            drafts = self.proposer.propose(request.all_token_ids)[: max(left - 1, 0)]
-            request.spec_token_ids = drafts
+            room = max(left - 1, 0)
+            if self.proposer is None:
+                request.spec_token_ids = [-1] * min(self.num_spec, room)
+            else:
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids)[:room]
 
     @staticmethod
     def _logprob_rows(runner_output: ModelRunnerOutput) -> dict[str, range]:

@@ -10,6 +10,7 @@ their product. The KV cache and the device state are donated to each program.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
@@ -45,6 +46,7 @@ from jaxrunner.kv_cache import (
 from jaxrunner.models import CausalLM, TransformerConfig, load_model
 from jaxrunner.sample.logprobs import LogprobsTensors, compute_logprobs
 from jaxrunner.sample.sampler import prepare_logits, sample
+from jaxrunner.spec_decode.draft_model import DraftModel, propose, run_on_step
 from jaxrunner.spec_decode.rejection_sampler import rejection_sample
 from jaxrunner.sample.sampling_state import bitmask_words, check_logprobs_count, pack_sampling_params
 from jaxrunner.states import DeviceState, RequestState, write_new_requests
@@ -83,8 +85,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ set-up
 
-    def load_model(self, model: CausalLM | None = None) -> None:
-        """Load the checkpoint named by ``ModelConfig.model``, or take a built model."""
+    def load_model(self, model: CausalLM | None = None, draft_model: CausalLM | None = None) -> None:
+        """Load the checkpoint named by ``ModelConfig.model``, or take a built model.
+
+        With a draft-model speculative config, ``draft_model`` (or the one the
+        config names) proposes the drafts.
+        """
         start = time.perf_counter()
         if model is None:
             if self.model_config.model is None:
@@ -112,15 +118,31 @@ class ModelRunner:
         self.block_tables = BlockTables(self.max_num_reqs, self.max_blocks_per_req, self.block_size)
         self.device_state = DeviceState.zeros(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
-            self.config.sampler_config, self.vocab_size,
+            self.config.sampler_config, self.vocab_size, self.num_spec,
         )
+        self.drafter = None
+        if self.config.uses_draft_model:
+            draft_model = draft_model or self._load_draft_model()
+            self.drafter = DraftModel.from_model(draft_model, self.block_size, kv_dtype, self.vocab_size)
+        self.draft_params = None if self.drafter is None else self.drafter.params
+        self.draft_kv_caches: KVCaches = []
         self._build_programs()
         logger.info("Model loaded in %.1f s", time.perf_counter() - start)
+
+    def _load_draft_model(self) -> CausalLM:
+        from jaxrunner.builtin_models import is_builtin, load_builtin
+
+        name = self.config.speculative_config.model
+        if name is None:
+            raise ValueError("SpeculativeConfig.model must name the draft model for method 'draft_model'.")
+        if is_builtin(name):  # random weights from the engine's seed, as the target's
+            return load_builtin(name, dtype=self.model_config.dtype, seed=self.model_config.seed)[0]
+        return load_model(name, dtype=self.model_config.dtype)[0]
 
     def profile_run(self) -> int:
         """Activation bytes of the largest steps, from XLA's memory analysis of their programs."""
         forward = self._lower_forward(self.token_buckets[-1], _PROFILE_NUM_BLOCKS).compile()
-        sample = self._sample_programs.get(self.request_buckets[-1])
+        sample = self._sample_lower(self.request_buckets[-1], _PROFILE_NUM_BLOCKS).compile()
         total = 0
         for program in (forward, sample):
             analysis = program.memory_analysis()
@@ -129,6 +151,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int | None = None) -> int:
         """Allocate the KV cache, sized from free memory after a profile run unless given."""
+        if num_blocks is None and self.cache_config.num_gpu_blocks_override is not None:
+            num_blocks = self.cache_config.num_gpu_blocks_override
         if num_blocks is None:
             num_blocks = determine_num_blocks(
                 self.kv_cache_spec,
@@ -136,9 +160,12 @@ class ModelRunner:
                 self.device,
                 activation_bytes=self.profile_run(),
                 max_useful_blocks=self.max_num_reqs * self.max_blocks_per_req + 1,
+                extra_bytes_per_block=0 if self.drafter is None else self.drafter.kv_spec.bytes_per_block,
             )
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks)
+        if self.drafter is not None:
+            self.draft_kv_caches = allocate_kv_caches(self.drafter.kv_spec, num_blocks)
         logger.info("KV cache: %s", kv_cache_capacity(self.kv_cache_spec, num_blocks))
         return num_blocks
 
@@ -164,7 +191,8 @@ class ModelRunner:
         num_reqs = min(num_tokens, self.max_num_reqs)
         capacity = BlockTables.append_capacity(num_tokens, num_reqs, self.block_size)
         return StepShape(
-            num_tokens=num_tokens, num_reqs=num_reqs, append_capacity=capacity, num_spec=self.num_spec
+            num_tokens=num_tokens, num_reqs=num_reqs, append_capacity=capacity, num_spec=self.num_spec,
+            drafts_on_device=self.config.uses_draft_model,
         )
 
     def _abstract(self, tree: Any) -> Any:
@@ -173,22 +201,27 @@ class ModelRunner:
     def _build_programs(self) -> None:
         graphdef, block_size = self._graphdef, self.block_size
 
-        def forward(params, kv_caches, state, step_buffer, *, shape: StepShape):
+        drafter = self.drafter
+
+        def forward(params, draft_params, kv_caches, draft_kv, state, step_buffer, *, shape: StepShape):
             model = nnx.merge(graphdef, params)
             state, input_ids, positions, metadata, rows, row_index = prepare_inputs(
                 state, step_buffer, shape, block_size
             )
             hidden, kv_caches = model(input_ids, positions, kv_caches, metadata)
+            if drafter is not None:
+                draft_kv = run_on_step(drafter.graphdef, draft_params, draft_kv, input_ids, positions, metadata)
             sample_hidden = hidden[row_index]  # [requests, 1 + drafts, hidden]
             pad = self.max_num_reqs - shape.num_reqs
             sample_hidden = jnp.pad(sample_hidden, ((0, pad), (0, 0), (0, 0)))
-            return kv_caches, state, sample_hidden, rows, hidden
+            return kv_caches, draft_kv, state, sample_hidden, rows, hidden
 
         sampler_config = self.config.sampler_config
 
         num_spec = self.num_spec
 
-        def sample_step(params, sample_hidden, rows, state, grammar_bitmask, grammar_active, *, num_rows: int):
+        def sample_step(params, draft_params, draft_kv, sample_hidden, rows, state, grammar_bitmask,
+                        grammar_active, *, num_rows: int):
             model = nnx.merge(graphdef, params)
             head = jax.tree.map(lambda a: a[:num_rows], rows)
             if num_spec == 0:
@@ -199,7 +232,8 @@ class ModelRunner:
                     max_logprobs=sampler_config.max_logprobs, logprobs_mode=sampler_config.logprobs_mode,
                 )
                 tokens = output.sampled_token_ids[:, None]
-                return post_update(state, rows, tokens, jnp.ones(num_rows, jnp.int32)), tokens, output.logprobs
+                state = post_update(state, rows, tokens, jnp.ones(num_rows, jnp.int32))
+                return draft_kv, state, tokens, output.logprobs
             # Verification: every logits row of a request goes through the full pipeline.
             k1 = num_spec + 1
             flat = lambda a: a.reshape(num_rows * k1, *a.shape[2:])
@@ -216,7 +250,23 @@ class ModelRunner:
                 unflat(prepared.is_greedy)[:, 0], prepared.rows.seed_lo[::k1], prepared.rows.seed_hi[::k1],
                 head.positions,
             )
-            return post_update(state, rows, tokens, num_sampled), tokens, None
+            state = post_update(state, rows, tokens, num_sampled)
+            if drafter is not None:
+                draft_kv, state = propose_on_device(draft_params, draft_kv, state, head)
+            return draft_kv, state, tokens, None
+
+        def propose_on_device(draft_params, draft_kv, state, head):
+            """Next step's drafts from each sampling row's new last token, left on the device."""
+            idx = head.idx_mapping
+            take = lambda a: a.at[idx].get(mode="fill", fill_value=0)
+            draft_kv, drafts = propose(
+                drafter.graphdef, draft_params, draft_kv, state.block_table, idx,
+                take(state.last_sampled_tokens), take(state.num_computed_tokens), head.is_sampling,
+                num_spec, block_size,
+            )
+            return draft_kv, dataclasses.replace(
+                state, draft_tokens=state.draft_tokens.at[idx].set(drafts, mode="drop")
+            )
 
         def prompt_logprobs(params, hidden, targets, num_logprobs):
             """Raw logprobs of each next prompt token, in row chunks to bound the logits' memory."""
@@ -236,7 +286,7 @@ class ModelRunner:
         self._forward_programs = CompiledPrograms(
             "forward", lambda b: self._lower_forward(b, self.num_blocks)
         )
-        sample_jit = jax.jit(sample_step, static_argnames="num_rows", donate_argnums=(3,))
+        sample_jit = jax.jit(sample_step, static_argnames="num_rows", donate_argnums=(2, 5))
         write_jit = jax.jit(
             functools.partial(write_new_requests, layout=self.req_states.layout), donate_argnums=(0,)
         )
@@ -246,14 +296,13 @@ class ModelRunner:
             (self.max_num_reqs, self.num_spec + 1, self.model_arch.hidden_size), self.model.dtype
         )
         rows_spec = SampleRows.abstract(self.max_num_reqs, self.num_spec)
-        self._sample_programs = CompiledPrograms(
-            "sample",
-            lambda b: sample_jit.lower(
-                self._abstract(self.params), hidden_spec, rows_spec, self._abstract(self.device_state),
-                jax.ShapeDtypeStruct((b, words), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
-                num_rows=b,
-            ),
+        self._sample_lower = lambda b, num_blocks: sample_jit.lower(
+            self._abstract(self.params), self._abstract(self.draft_params),
+            self._abstract_draft_kv(num_blocks), hidden_spec, rows_spec, self._abstract(self.device_state),
+            jax.ShapeDtypeStruct((b, words), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
+            num_rows=b,
         )
+        self._sample_programs = CompiledPrograms("sample", lambda b: self._sample_lower(b, self.num_blocks))
         # Compiled on first use: only batches with prompt-logprob requests need them.
         self._prompt_logprob_programs = CompiledPrograms(
             "prompt_logprobs",
@@ -275,14 +324,19 @@ class ModelRunner:
             ),
         )
 
+    def _abstract_draft_kv(self, num_blocks: int) -> KVCaches:
+        return [] if self.drafter is None else self.drafter.kv_spec.abstract(num_blocks)
+
     def _lower_forward(self, num_tokens: int, num_blocks: int) -> jax.stages.Lowered:
         shape = self._step_shape(num_tokens)
         forward_jit = jax.jit(
-            functools.partial(self._forward_fn, shape=shape), donate_argnums=(1, 2)
+            functools.partial(self._forward_fn, shape=shape), donate_argnums=(2, 3, 4)
         )
         return forward_jit.lower(
             self._abstract(self.params),
+            self._abstract(self.draft_params),
             self.kv_cache_spec.abstract(num_blocks),
+            self._abstract_draft_kv(num_blocks),
             self._abstract(self.device_state),
             jax.ShapeDtypeStruct((shape.buffer_words,), jnp.int32),
         )
@@ -386,8 +440,8 @@ class ModelRunner:
             return ModelRunnerOutput.make_empty()
         batch, buffer = self.prepare_inputs(scheduler_output)
         program = self._forward_programs.get(batch.num_tokens_after_padding)
-        self.kv_caches, self.device_state, sample_hidden, rows, hidden = program(
-            self.params, self.kv_caches, self.device_state, buffer
+        self.kv_caches, self.draft_kv_caches, self.device_state, sample_hidden, rows, hidden = program(
+            self.params, self.draft_params, self.kv_caches, self.draft_kv_caches, self.device_state, buffer
         )
         self.execute_model_state = (batch, sample_hidden, rows, hidden)
         return None
@@ -401,8 +455,9 @@ class ModelRunner:
         bucket = batch.num_reqs_after_padding
         bitmask, active = self._grammar_rows(batch, grammar_output)
         program = self._sample_programs.get(bucket)
-        self.device_state, tokens, logprobs = program(
-            self.params, sample_hidden, rows, self.device_state, bitmask, active
+        self.draft_kv_caches, self.device_state, tokens, logprobs = program(
+            self.params, self.draft_params, self.draft_kv_caches, sample_hidden, rows, self.device_state,
+            bitmask, active,
         )
         prompt_logprobs = self._prompt_logprobs_of(batch, hidden)
         tokens_np = np.asarray(tokens)[: batch.num_reqs]

@@ -54,8 +54,13 @@ class SpecDecodingStats:
 class Scheduler:
     """Produces a ``SchedulerOutput`` per step and consumes the runner's ``ModelRunnerOutput``."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int):
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+        num_lookahead_tokens: int = 0,
+    ):
         self.config = config
+        # Slots past the scheduled tokens that a device-side drafter writes into.
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -117,9 +122,10 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new < remaining:
                 break
             drafts = request.spec_token_ids[: max(num_new - remaining, 0)]
+            lookahead = self._lookahead(request, num_new)
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request.request_id, request.all_token_ids, num_new, request.num_computed_tokens
+                    request.request_id, request.all_token_ids, num_new + lookahead, request.num_computed_tokens
                 )
                 if new_blocks is not None:
                     break
@@ -152,7 +158,8 @@ class Scheduler:
                 break
             num_new = min(remaining, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request.request_id, tokens, num_new, num_computed, computed_blocks
+                request.request_id, tokens, num_new + self._lookahead(request, num_new, num_computed),
+                num_computed, computed_blocks,
             )
             if new_blocks is None:
                 break
@@ -186,6 +193,11 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=preempted,
         )
+
+    def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
+        """Lookahead slots only once the prefill completes, so no partial block is hashed early."""
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        return self.num_lookahead_tokens if computed + num_new >= request.num_tokens else 0
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)

@@ -48,10 +48,13 @@ class DeviceState:
     last_sampled_tokens: Int[Array, "max_reqs"]
     block_table: Int[Array, "max_reqs max_blocks"]
     sampling: SamplingArrays
+    # Drafts a draft model proposed on the device for each request's next step.
+    draft_tokens: Int[Array, "max_reqs K"]
 
     @classmethod
     def zeros(
-        cls, max_num_reqs: int, max_model_len: int, max_blocks: int, config: SamplerConfig, vocab_size: int
+        cls, max_num_reqs: int, max_model_len: int, max_blocks: int, config: SamplerConfig, vocab_size: int,
+        num_spec: int = 0,
     ) -> DeviceState:
         return cls(
             token_ids=jnp.zeros((max_num_reqs, max_model_len), jnp.int32),
@@ -60,6 +63,7 @@ class DeviceState:
             last_sampled_tokens=jnp.zeros(max_num_reqs, jnp.int32),
             block_table=jnp.zeros((max_num_reqs, max_blocks), jnp.int32),
             sampling=SamplingArrays.zeros(max_num_reqs, config, vocab_size),
+            draft_tokens=jnp.zeros((max_num_reqs, num_spec), jnp.int32),
         )
 
 
@@ -77,6 +81,7 @@ def write_new_requests(state: DeviceState, rows: Int[Array, "n row_words"], layo
         last_sampled_tokens=state.last_sampled_tokens,
         block_table=set_rows(state.block_table, fields["block_ids"]),
         sampling=state.sampling.write_rows(slots, fields, tokens, fields["prompt_len"][:, 0], prefill_len),
+        draft_tokens=state.draft_tokens,
     )
 
 

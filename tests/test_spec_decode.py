@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from hf_models import save_tiny_hf_model
 from jaxrunner.buckets import CompileCounter
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.llm import LLM
@@ -55,3 +56,24 @@ def test_logprobs_with_speculation_are_refused_per_request(cache_dir):
     llm = make_llm(cache_dir, spec=True)
     out = llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(logprobs=2), GREEDY], use_tqdm=False)
     assert "speculative" in out[0].error and out[1].error is None
+
+
+def test_draft_model_greedy_equals_no_speculation(cache_dir, tmp_path):
+    batch = prompts()
+    plain = [o.outputs[0].token_ids for o in make_llm(cache_dir, spec=False).generate(batch, GREEDY, use_tqdm=False)]
+    # The built-in draft has the target's own weights (perfect drafts); the saved one is another model.
+    save_tiny_hf_model("llama", tmp_path, seed=2, vocab_size=320, num_hidden_layers=1)
+    for draft, perfect in (("tiny-llama", True), (str(tmp_path), False)):
+        llm = LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=200,
+                  token_buckets=[8, 16, 32, 64], request_buckets=[2, 4], compilation_cache_dir=cache_dir,
+                  speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": draft})
+        compiled = CompileCounter.count()
+        out = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+        assert out == plain
+        assert CompileCounter.count() == compiled
+        stats = llm.llm_engine.scheduler.spec_stats
+        assert stats.num_drafts > 0
+        if perfect:
+            assert stats.mean_accepted_length > 3.0
+        manager = llm.kv_cache_manager
+        assert manager.num_free_blocks == manager.num_usable_blocks

@@ -1,0 +1,83 @@
+"""A draft model proposer: a smaller model of the same vocabulary, with its own KV cache.
+
+Inside the forward program the draft model runs over the same packed tokens
+as the target, so its cache holds every position the target computed (drafts
+included: the accepted ones are then right). Inside the sampling program,
+after verification, it decodes ``k`` tokens greedily from each request's new
+last token, one token per request per pass, and leaves them on the device as
+the next step's drafts. Its blocks are the target's block ids in its own
+arrays, so the block table serves both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Int
+
+from jaxrunner.block_table import compute_slot_mapping
+from jaxrunner.kv_cache import KVCaches, KVCacheSpec
+from jaxrunner.models import CausalLM
+from jaxrunner.ops import AttentionMetadata
+
+
+@dataclasses.dataclass
+class DraftModel:
+    """The draft model split for jit: its graph, its parameters and its cache's spec."""
+
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    kv_spec: KVCacheSpec
+
+    @classmethod
+    def from_model(cls, model: CausalLM, block_size: int, kv_dtype, target_vocab: int) -> DraftModel:
+        if model.config.vocab_size != target_vocab:
+            raise ValueError(
+                f"The draft model's vocabulary ({model.config.vocab_size}) differs from the target's "
+                f"({target_vocab}); a draft model must share the target's tokenizer."
+            )
+        graphdef, params = nnx.split(model)
+        spec = KVCacheSpec(model.config.num_layers, block_size, model.config.num_kv_heads,
+                           model.config.head_dim, kv_dtype)
+        return cls(graphdef, params, spec)
+
+
+def run_on_step(
+    graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCaches,
+    input_ids: Int[Array, "T"], positions: Int[Array, "T"], metadata: AttentionMetadata,
+) -> KVCaches:
+    """The draft's KV for this step's tokens (its outputs are not needed)."""
+    _, kv_caches = nnx.merge(graphdef, params)(input_ids, positions, kv_caches, metadata)
+    return kv_caches
+
+
+def propose(
+    graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCaches,
+    block_table: Int[Array, "R max_blocks"], slots: Int[Array, "n"], last_tokens: Int[Array, "n"],
+    positions: Int[Array, "n"], active: Bool[Array, "n"], num_drafts: int, block_size: int,
+) -> tuple[KVCaches, Int[Array, "n k"]]:
+    """Greedy drafts: ``num_drafts`` one-token passes from each active row's last token.
+
+    ``positions`` is the position of ``last_tokens``. Inactive rows write
+    nothing and attend to nothing.
+    """
+    model = nnx.merge(graphdef, params)
+    n = slots.shape[0]
+    tables = block_table.at[slots].get(mode="fill", fill_value=0)
+    drafts = []
+    tokens, pos = last_tokens, positions
+    for _ in range(num_drafts):
+        metadata = AttentionMetadata(
+            query_start_loc=jnp.arange(n + 1, dtype=jnp.int32),
+            seq_lens=jnp.where(active, pos + 1, 0),
+            block_tables=tables,
+            slot_mapping=compute_slot_mapping(block_table, slots, pos, active, block_size),
+        )
+        hidden, kv_caches = model(tokens, jnp.where(active, pos, 0), kv_caches, metadata)
+        tokens = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
+        drafts.append(tokens)
+        pos = pos + 1
+    return kv_caches, jnp.stack(drafts, axis=1)
