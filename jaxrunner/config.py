@@ -120,7 +120,8 @@ class SpeculativeConfig:
     ``method`` "ngram" proposes by prompt lookup: the tokens that followed the
     earlier occurrence of the history's last ``prompt_lookup_min``..``max`` tokens.
     "draft_model" decodes the drafts greedily with ``model`` (a checkpoint
-    directory or built-in name of the target's vocabulary) on the device.
+    directory or built-in name of the target's vocabulary) on the device;
+    "eagle" with the EAGLE head checkpoint ``model``, fed the target's features.
     """
 
     method: str = "ngram"
@@ -130,9 +131,9 @@ class SpeculativeConfig:
     model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model"):
+        if self.method not in ("ngram", "draft_model", "eagle"):
             raise ValueError(
-                f"SpeculativeConfig.method must be 'ngram' or 'draft_model'; got {self.method!r}."
+                f"SpeculativeConfig.method must be 'ngram', 'draft_model' or 'eagle'; got {self.method!r}."
             )
         if self.num_speculative_tokens < 1:
             raise ValueError(
@@ -187,4 +188,5 @@ class RunnerConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.speculative_config is not None and self.speculative_config.method == "draft_model"
+        """Whether a model on the device proposes the drafts (a draft model or an EAGLE head)."""
+        return self.speculative_config is not None and self.speculative_config.method in ("draft_model", "eagle")

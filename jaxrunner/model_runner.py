@@ -44,9 +44,11 @@ from jaxrunner.kv_cache import (
     kv_cache_capacity,
 )
 from jaxrunner.models import CausalLM, TransformerConfig, load_model
+from jaxrunner.models.loader import load_eagle_head
 from jaxrunner.sample.logprobs import LogprobsTensors, compute_logprobs
 from jaxrunner.sample.sampler import prepare_logits, sample
-from jaxrunner.spec_decode.draft_model import DraftModel, propose, run_on_step
+from jaxrunner.spec_decode.draft_model import DraftModel
+from jaxrunner.spec_decode.eagle import EagleDrafter
 from jaxrunner.spec_decode.rejection_sampler import rejection_sample
 from jaxrunner.sample.sampling_state import bitmask_words, check_logprobs_count, pack_sampling_params
 from jaxrunner.states import DeviceState, RequestState, write_new_requests
@@ -121,20 +123,28 @@ class ModelRunner:
             self.config.sampler_config, self.vocab_size, self.num_spec,
         )
         self.drafter = None
-        if self.config.uses_draft_model:
+        method = None if self.config.speculative_config is None else self.config.speculative_config.method
+        if method == "draft_model":
             draft_model = draft_model or self._load_draft_model()
             self.drafter = DraftModel.from_model(draft_model, self.block_size, kv_dtype, self.vocab_size)
+        elif method == "eagle":
+            head = draft_model or load_eagle_head(self._draft_model_name(), dtype=self.model_config.dtype)
+            self.drafter = EagleDrafter.from_head(head, self.block_size, kv_dtype, self.model_arch.hidden_size)
         self.draft_params = None if self.drafter is None else self.drafter.params
         self.draft_kv_caches: KVCaches = []
         self._build_programs()
         logger.info("Model loaded in %.1f s", time.perf_counter() - start)
 
+    def _draft_model_name(self) -> str:
+        spec = self.config.speculative_config
+        if spec.model is None:
+            raise ValueError(f"SpeculativeConfig.model must name the draft model for method {spec.method!r}.")
+        return spec.model
+
     def _load_draft_model(self) -> CausalLM:
         from jaxrunner.builtin_models import is_builtin, load_builtin
 
-        name = self.config.speculative_config.model
-        if name is None:
-            raise ValueError("SpeculativeConfig.model must name the draft model for method 'draft_model'.")
+        name = self._draft_model_name()
         if is_builtin(name):  # random weights from the engine's seed, as the target's
             return load_builtin(name, dtype=self.model_config.dtype, seed=self.model_config.seed)[0]
         return load_model(name, dtype=self.model_config.dtype)[0]
@@ -210,7 +220,7 @@ class ModelRunner:
             )
             hidden, kv_caches = model(input_ids, positions, kv_caches, metadata)
             if drafter is not None:
-                draft_kv = run_on_step(drafter.graphdef, draft_params, draft_kv, input_ids, positions, metadata)
+                draft_kv = drafter.on_step(draft_params, draft_kv, model, input_ids, positions, metadata, hidden)
             sample_hidden = hidden[row_index]  # [requests, 1 + drafts, hidden]
             pad = self.max_num_reqs - shape.num_reqs
             sample_hidden = jnp.pad(sample_hidden, ((0, pad), (0, 0), (0, 0)))
@@ -252,16 +262,20 @@ class ModelRunner:
             )
             state = post_update(state, rows, tokens, num_sampled)
             if drafter is not None:
-                draft_kv, state = propose_on_device(draft_params, draft_kv, state, head)
+                # The target's feature at the last accepted row, for heads that read it.
+                features = jnp.take_along_axis(
+                    sample_hidden[:num_rows], jnp.maximum(num_sampled - 1, 0)[:, None, None], axis=1
+                )[:, 0]
+                draft_kv, state = propose_on_device(model, draft_params, draft_kv, state, head, features)
             return draft_kv, state, tokens, None
 
-        def propose_on_device(draft_params, draft_kv, state, head):
+        def propose_on_device(model, draft_params, draft_kv, state, head, features):
             """Next step's drafts from each sampling row's new last token, left on the device."""
             idx = head.idx_mapping
             take = lambda a: a.at[idx].get(mode="fill", fill_value=0)
-            draft_kv, drafts = propose(
-                drafter.graphdef, draft_params, draft_kv, state.block_table, idx,
-                take(state.last_sampled_tokens), take(state.num_computed_tokens), head.is_sampling,
+            draft_kv, drafts = drafter.propose(
+                draft_params, draft_kv, model, state.block_table, idx,
+                take(state.last_sampled_tokens), take(state.num_computed_tokens), features, head.is_sampling,
                 num_spec, block_size,
             )
             return draft_kv, dataclasses.replace(

@@ -15,6 +15,7 @@ import numpy as np
 import transformers
 from flax import nnx
 
+from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.registry import model_class
 from jaxrunner.models.safetensors_io import CheckpointError, checkpoint_files, iter_tensors
 from jaxrunner.models.transformer import CausalLM, TransformerConfig
@@ -43,6 +44,17 @@ def load_model(
     return model, config
 
 
+def load_eagle_head(model_dir: str | PathLike, *, dtype="float32") -> EagleHead:
+    """An EAGLE draft head from a local checkpoint (``config.json`` of its decoder layers, safetensors)."""
+    model_dir = Path(model_dir)
+    hf_config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    config = TransformerConfig.from_hf(hf_config)
+    dtype = jnp.dtype(dtype)
+    head = nnx.eval_shape(lambda: EagleHead(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    _fill_params(head, model_dir, dtype)
+    return head
+
+
 def init_random_model(config: TransformerConfig, *, dtype="float32", param_dtype=None, seed: int = 0) -> CausalLM:
     """A ``CausalLM`` with Flax's default random initialisation, for benchmarks and tests."""
     dtype = jnp.dtype(dtype)
@@ -56,14 +68,16 @@ def hf_name(path: tuple) -> str:
     return ".".join([*map(str, parents), _HF_LEAF_NAMES.get(leaf, leaf)])
 
 
-def _fill_params(model: CausalLM, model_dir: Path, param_dtype: jnp.dtype) -> None:
+def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.dtype) -> None:
     """Sets every parameter of the abstract ``model`` from the checkpoint, checking names and shapes."""
     wanted = {hf_name(path): (path, var) for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
     loaded_from: dict[str, Path] = {}
     files = checkpoint_files(model_dir)
     for file in files:
         for name, array in iter_tensors(file):
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
+            if name.endswith(_IGNORED_SUFFIXES) or name in getattr(model, "ignored_tensors", ()):
+                continue
+            if name == "lm_head.weight" and model.lm_head is None:
                 continue
             if name in loaded_from:
                 raise CheckpointError(f"{file}: tensor {name!r} was already loaded from {loaded_from[name]}")

@@ -1,12 +1,14 @@
 """Speculative decoding through the engine: greedy equivalence, acceptance, no recompiles."""
 
 import numpy as np
+import transformers
 import pytest
 
 from hf_models import save_tiny_hf_model
 from jaxrunner.buckets import CompileCounter
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.llm import LLM
+from jaxrunner.models import TransformerConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -77,3 +79,45 @@ def test_draft_model_greedy_equals_no_speculation(cache_dir, tmp_path):
             assert stats.mean_accepted_length > 3.0
         manager = llm.kv_cache_manager
         assert manager.num_free_blocks == manager.num_usable_blocks
+
+
+def save_tiny_eagle_head(path, seed: int = 0) -> None:
+    """A random EAGLE head for the built-in tiny model, saved as an HF-style checkpoint."""
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from jaxrunner.builtin_models import BUILTIN_MODELS
+    from jaxrunner.models.eagle import init_random_eagle_head
+    from jaxrunner.models.loader import hf_name
+
+    target = BUILTIN_MODELS["tiny-llama"]
+    hf_config = transformers.LlamaConfig(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=target.num_heads, num_key_value_heads=target.num_kv_heads,
+        head_dim=target.head_dim, max_position_embeddings=target.max_position_embeddings,
+        rms_norm_eps=target.rms_norm_eps, architectures=["EagleLlamaForCausalLM"],
+    )
+    hf_config.save_pretrained(path)
+    head = init_random_eagle_head(TransformerConfig.from_hf(hf_config), seed=seed)
+    tensors = {}
+    for key, var in nnx.iter_graph(head):
+        if isinstance(var, nnx.Param):
+            value = np.asarray(var.get_value())
+            tensors[hf_name(key)] = np.ascontiguousarray(value.T if key[-1] == "kernel" else value)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_eagle_head_greedy_equals_no_speculation(cache_dir, tmp_path):
+    batch = prompts()
+    plain = [o.outputs[0].token_ids for o in make_llm(cache_dir, spec=False).generate(batch, GREEDY, use_tqdm=False)]
+    save_tiny_eagle_head(tmp_path)
+    llm = LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=200,
+              token_buckets=[8, 16, 32, 64], request_buckets=[2, 4], compilation_cache_dir=cache_dir,
+              speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path)})
+    compiled = CompileCounter.count()
+    out = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    assert out == plain
+    assert CompileCounter.count() == compiled
+    assert llm.llm_engine.scheduler.spec_stats.num_drafts > 0
+    manager = llm.kv_cache_manager
+    assert manager.num_free_blocks == manager.num_usable_blocks

@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxrunner.block_table import compute_slot_mapping
 from jaxrunner.kv_cache import KVCaches, KVCacheSpec
@@ -45,30 +45,44 @@ class DraftModel:
         return cls(graphdef, params, spec)
 
 
-def run_on_step(
-    graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCaches,
-    input_ids: Int[Array, "T"], positions: Int[Array, "T"], metadata: AttentionMetadata,
-) -> KVCaches:
-    """The draft's KV for this step's tokens (its outputs are not needed)."""
-    _, kv_caches = nnx.merge(graphdef, params)(input_ids, positions, kv_caches, metadata)
-    return kv_caches
+    def on_step(
+        self, params: nnx.State, kv_caches: KVCaches, target: CausalLM,
+        input_ids: Int[Array, "T"], positions: Int[Array, "T"], metadata: AttentionMetadata,
+        hidden: Float[Array, "T E"],
+    ) -> KVCaches:
+        """The draft's KV for this step's tokens (its outputs are not needed)."""
+        _, kv_caches = nnx.merge(self.graphdef, params)(input_ids, positions, kv_caches, metadata)
+        return kv_caches
+
+    def propose(
+        self, params: nnx.State, kv_caches: KVCaches, target: CausalLM,
+        block_table: Int[Array, "R max_blocks"], slots: Int[Array, "n"], last_tokens: Int[Array, "n"],
+        positions: Int[Array, "n"], features: Float[Array, "n E"], active: Bool[Array, "n"],
+        num_drafts: int, block_size: int,
+    ) -> tuple[KVCaches, Int[Array, "n k"]]:
+        """Greedy drafts: ``num_drafts`` one-token passes from each active row's last token.
+
+        ``positions`` is the position of ``last_tokens``; ``features`` (the
+        target's hidden state there) is for heads that read it. Inactive rows
+        write nothing and attend to nothing.
+        """
+        model = nnx.merge(self.graphdef, params)
+
+        def step(tokens, feats, metadata, pos, caches):
+            hidden, caches = model(tokens, pos, caches, metadata)
+            return model.compute_logits(hidden), hidden, caches
+
+        return decode_drafts(step, kv_caches, block_table, slots, last_tokens, positions, features, active,
+                             num_drafts, block_size)
 
 
-def propose(
-    graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCaches,
-    block_table: Int[Array, "R max_blocks"], slots: Int[Array, "n"], last_tokens: Int[Array, "n"],
-    positions: Int[Array, "n"], active: Bool[Array, "n"], num_drafts: int, block_size: int,
-) -> tuple[KVCaches, Int[Array, "n k"]]:
-    """Greedy drafts: ``num_drafts`` one-token passes from each active row's last token.
-
-    ``positions`` is the position of ``last_tokens``. Inactive rows write
-    nothing and attend to nothing.
-    """
-    model = nnx.merge(graphdef, params)
+def decode_drafts(step, kv_caches, block_table, slots, last_tokens, positions, features, active,
+                  num_drafts: int, block_size: int):
+    """Run ``step`` (one token per row) ``num_drafts`` times, feeding back argmax tokens and features."""
     n = slots.shape[0]
     tables = block_table.at[slots].get(mode="fill", fill_value=0)
     drafts = []
-    tokens, pos = last_tokens, positions
+    tokens, feats, pos = last_tokens, features, positions
     for _ in range(num_drafts):
         metadata = AttentionMetadata(
             query_start_loc=jnp.arange(n + 1, dtype=jnp.int32),
@@ -76,8 +90,8 @@ def propose(
             block_tables=tables,
             slot_mapping=compute_slot_mapping(block_table, slots, pos, active, block_size),
         )
-        hidden, kv_caches = model(tokens, jnp.where(active, pos, 0), kv_caches, metadata)
-        tokens = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
+        logits, feats, kv_caches = step(tokens, feats, metadata, jnp.where(active, pos, 0), kv_caches)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         drafts.append(tokens)
         pos = pos + 1
     return kv_caches, jnp.stack(drafts, axis=1)

@@ -1,0 +1,74 @@
+"""EAGLE proposer: a draft head fed by the target's hidden states.
+
+In the forward program the head consumes, at every scheduled position, the
+target's feature there and the token that follows it (the last token of each
+request has no successor yet and is skipped). In the sampling program, after
+verification, it starts from the target's feature at the last accepted
+position and the newly sampled token, and feeds its own predicted features
+back for ``k`` greedy drafts. It shares the target's embedding and lm_head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxrunner.kv_cache import KVCaches, KVCacheSpec
+from jaxrunner.models import CausalLM
+from jaxrunner.models.eagle import EagleHead
+from jaxrunner.ops import AttentionMetadata
+from jaxrunner.spec_decode.draft_model import decode_drafts
+
+
+@dataclasses.dataclass
+class EagleDrafter:
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    kv_spec: KVCacheSpec
+
+    @classmethod
+    def from_head(cls, head: EagleHead, block_size: int, kv_dtype, target_hidden: int) -> EagleDrafter:
+        if head.config.hidden_size != target_hidden:
+            raise ValueError(
+                f"The EAGLE head's hidden size ({head.config.hidden_size}) differs from the target's "
+                f"({target_hidden}); it must read the target's features."
+            )
+        graphdef, params = nnx.split(head)
+        spec = KVCacheSpec(head.config.num_layers, block_size, head.config.num_kv_heads, head.config.head_dim, kv_dtype)
+        return cls(graphdef, params, spec)
+
+    def on_step(
+        self, params: nnx.State, kv_caches: KVCaches, target: CausalLM,
+        input_ids: Int[Array, "T"], positions: Int[Array, "T"], metadata: AttentionMetadata,
+        hidden: Float[Array, "T E"],
+    ) -> KVCaches:
+        """The head's KV at every position whose next token is known this step."""
+        head = nnx.merge(self.graphdef, params)
+        next_ids = jnp.concatenate([input_ids[1:], jnp.zeros(1, input_ids.dtype)])
+        last = jnp.zeros(input_ids.shape[0], bool).at[metadata.query_start_loc[1:] - 1].set(True, mode="drop")
+        skip_last = AttentionMetadata(
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+            jnp.where(last, -1, metadata.slot_mapping),
+        )
+        _, kv_caches = head(target.model.embed_tokens(next_ids), hidden, positions, kv_caches, skip_last)
+        return kv_caches
+
+    def propose(
+        self, params: nnx.State, kv_caches: KVCaches, target: CausalLM,
+        block_table: Int[Array, "R max_blocks"], slots: Int[Array, "n"], last_tokens: Int[Array, "n"],
+        positions: Int[Array, "n"], features: Float[Array, "n E"], active: Bool[Array, "n"],
+        num_drafts: int, block_size: int,
+    ) -> tuple[KVCaches, Int[Array, "n k"]]:
+        """Greedy drafts from each row's last token (at ``positions``) and the feature before it."""
+        head = nnx.merge(self.graphdef, params)
+
+        def step(tokens, feats, metadata, pos, caches):
+            predicted, caches = head(target.model.embed_tokens(tokens), feats, pos, caches, metadata)
+            return target.compute_logits(predicted), predicted, caches
+
+        # The pair (feature at p, token at p + 1) sits at position p, as in on_step.
+        return decode_drafts(step, kv_caches, block_table, slots, last_tokens, positions - 1, features, active,
+                             num_drafts, block_size)

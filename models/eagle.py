@@ -1,0 +1,58 @@
+"""An EAGLE-style draft head: one decoder layer over (token embedding, target feature).
+
+EAGLE predicts the target's next feature from the feature at the previous
+position and the embedding of the token that followed it: ``fc([embed(x),
+f])`` goes through a Llama decoder layer, and the target's own ``lm_head``
+turns the result into draft logits. The embedding and the head are the
+target's; the head owns ``fc`` and its layer (HF names ``fc.*``, ``layers.0.*``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxrunner.models.transformer import DecoderLayer, KVCache, TransformerConfig, rope_inv_freq
+from jaxrunner.ops import AttentionMetadata
+
+
+class EagleHead(nnx.Module):
+    """``fc`` and the decoder layers of an EAGLE checkpoint (EAGLE-1 layout)."""
+
+    # Checkpoints carry a copy of the target's embedding; the target's own is used.
+    ignored_tensors = ("embed_tokens.weight",)
+    lm_head = None
+
+    def __init__(self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+        param_dtype = dtype if param_dtype is None else param_dtype
+        self.config = config
+        self.dtype = dtype
+        hidden = config.hidden_size
+        self.fc = nnx.Linear(2 * hidden, hidden, use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for i in range(config.num_layers)]
+        )
+
+    def __call__(
+        self,
+        token_embeddings: Float[Array, "T E"],
+        features: Float[Array, "T E"],
+        positions: Int[Array, "T"],
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> tuple[Float[Array, "T E"], list[KVCache]]:
+        """The predicted next features, and the head's updated KV caches."""
+        angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(self.config)[None, :]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        x = self.fc(jnp.concatenate([token_embeddings, features.astype(token_embeddings.dtype)], axis=-1))
+        new_caches = []
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x, cache = layer(x, cos, sin, cache, metadata)
+            new_caches.append(cache)
+        return x, new_caches
+
+
+def init_random_eagle_head(config: TransformerConfig, *, dtype="float32", seed: int = 0) -> EagleHead:
+    dtype = jnp.dtype(dtype)
+    return EagleHead(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed))
