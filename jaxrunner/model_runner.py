@@ -245,6 +245,8 @@ class ModelRunner:
                 state = post_update(state, rows, tokens, jnp.ones(num_rows, jnp.int32))
                 return draft_kv, state, tokens, output.logprobs
             # Verification: every logits row of a request goes through the full pipeline.
+            # Penalty counts and bad-word history are the ones from before this step
+            # for all of a request's rows (drafts ahead of a row are not counted).
             k1 = num_spec + 1
             flat = lambda a: a.reshape(num_rows * k1, *a.shape[2:])
             logits = model.compute_logits(flat(sample_hidden[:num_rows]))
