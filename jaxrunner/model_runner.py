@@ -10,7 +10,6 @@ their product. The KV cache and the device state are donated to each program.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import random
@@ -32,8 +31,6 @@ from jaxrunner.input_batch import (
     SampleRows,
     StepShape,
     pack_step_buffer,
-    post_update,
-    prepare_inputs,
 )
 from jaxrunner.interfaces import GrammarOutput, LogprobsLists, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from jaxrunner.kv_cache import (
@@ -45,11 +42,11 @@ from jaxrunner.kv_cache import (
 )
 from jaxrunner.models import CausalLM, TransformerConfig, load_model
 from jaxrunner.models.loader import load_eagle_head
-from jaxrunner.sample.logprobs import LogprobsTensors, compute_logprobs
-from jaxrunner.sample.sampler import prepare_logits, sample
+from jaxrunner import step_functions
+from jaxrunner.sample.logprobs import LogprobsTensors
 from jaxrunner.spec_decode.draft_model import DraftModel
 from jaxrunner.spec_decode.eagle import EagleDrafter
-from jaxrunner.spec_decode.rejection_sampler import rejection_sample
+from jaxrunner.step_functions import StepStatics
 from jaxrunner.sample.sampling_state import bitmask_words, check_logprobs_count, pack_sampling_params
 from jaxrunner.states import DeviceState, RequestState, write_new_requests
 
@@ -209,104 +206,22 @@ class ModelRunner:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
     def _build_programs(self) -> None:
-        graphdef, block_size = self._graphdef, self.block_size
-
-        drafter = self.drafter
-
-        def forward(params, draft_params, kv_caches, draft_kv, state, step_buffer, *, shape: StepShape):
-            model = nnx.merge(graphdef, params)
-            state, input_ids, positions, metadata, rows, row_index = prepare_inputs(
-                state, step_buffer, shape, block_size
-            )
-            hidden, kv_caches = model(input_ids, positions, kv_caches, metadata)
-            if drafter is not None:
-                draft_kv = drafter.on_step(draft_params, draft_kv, model, input_ids, positions, metadata, hidden)
-            sample_hidden = hidden[row_index]  # [requests, 1 + drafts, hidden]
-            pad = self.max_num_reqs - shape.num_reqs
-            sample_hidden = jnp.pad(sample_hidden, ((0, pad), (0, 0), (0, 0)))
-            return kv_caches, draft_kv, state, sample_hidden, rows, hidden
-
-        sampler_config = self.config.sampler_config
-
-        num_spec = self.num_spec
-
-        def sample_step(params, draft_params, draft_kv, sample_hidden, rows, state, grammar_bitmask,
-                        grammar_active, *, num_rows: int):
-            model = nnx.merge(graphdef, params)
-            head = jax.tree.map(lambda a: a[:num_rows], rows)
-            if num_spec == 0:
-                logits = model.compute_logits(sample_hidden[:num_rows, 0])
-                output = sample(
-                    logits, state.sampling, state.token_ids, head.idx_mapping, head.positions[:, 0],
-                    grammar_bitmask, grammar_active,
-                    max_logprobs=sampler_config.max_logprobs, logprobs_mode=sampler_config.logprobs_mode,
-                )
-                tokens = output.sampled_token_ids[:, None]
-                state = post_update(state, rows, tokens, jnp.ones(num_rows, jnp.int32))
-                return draft_kv, state, tokens, output.logprobs
-            # Verification: every logits row of a request goes through the full pipeline.
-            # Penalty counts and bad-word history are the ones from before this step
-            # for all of a request's rows (drafts ahead of a row are not counted).
-            k1 = num_spec + 1
-            flat = lambda a: a.reshape(num_rows * k1, *a.shape[2:])
-            logits = model.compute_logits(flat(sample_hidden[:num_rows]))
-            repeat = lambda a: jnp.repeat(a, k1, axis=0)
-            prepared = prepare_logits(
-                logits, state.sampling, state.token_ids, repeat(head.idx_mapping), flat(head.positions),
-                repeat(grammar_bitmask), repeat(grammar_active),
-            )
-            unflat = lambda a: a.reshape(num_rows, k1, *a.shape[1:])
-            verify = jnp.where(prepared.is_greedy[:, None], prepared.processed, prepared.tempered)
-            tokens, num_sampled = rejection_sample(
-                unflat(verify), head.draft_tokens, head.num_drafts, None,
-                unflat(prepared.is_greedy)[:, 0], prepared.rows.seed_lo[::k1], prepared.rows.seed_hi[::k1],
-                head.positions,
-            )
-            state = post_update(state, rows, tokens, num_sampled)
-            if drafter is not None:
-                # The target's feature at the last accepted row, for heads that read it.
-                features = jnp.take_along_axis(
-                    sample_hidden[:num_rows], jnp.maximum(num_sampled - 1, 0)[:, None, None], axis=1
-                )[:, 0]
-                draft_kv, state = propose_on_device(model, draft_params, draft_kv, state, head, features)
-            return draft_kv, state, tokens, None
-
-        def propose_on_device(model, draft_params, draft_kv, state, head, features):
-            """Next step's drafts from each sampling row's new last token, left on the device."""
-            idx = head.idx_mapping
-            take = lambda a: a.at[idx].get(mode="fill", fill_value=0)
-            draft_kv, drafts = drafter.propose(
-                draft_params, draft_kv, model, state.block_table, idx,
-                take(state.last_sampled_tokens), take(state.num_computed_tokens), features, head.is_sampling,
-                num_spec, block_size,
-            )
-            return draft_kv, dataclasses.replace(
-                state, draft_tokens=state.draft_tokens.at[idx].set(drafts, mode="drop")
-            )
-
-        def prompt_logprobs(params, hidden, targets, num_logprobs):
-            """Raw logprobs of each next prompt token, in row chunks to bound the logits' memory."""
-            model = nnx.merge(graphdef, params)
-            chunk = min(hidden.shape[0], 256)
-            pad = -hidden.shape[0] % chunk
-            split = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])
-
-            def one_chunk(args):
-                h, t, k = args
-                return compute_logprobs(model.compute_logits(h), t, k, sampler_config.max_logprobs)
-
-            out = jax.lax.map(one_chunk, (split(hidden), split(targets), split(num_logprobs)))
-            return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[: hidden.shape[0]], out)
-
+        statics = StepStatics(
+            graphdef=self._graphdef, drafter=self.drafter, block_size=self.block_size,
+            max_num_reqs=self.max_num_reqs, num_spec=self.num_spec, sampler_config=self.config.sampler_config,
+        )
+        forward = functools.partial(step_functions.forward, statics)
         self._forward_fn = forward
         self._forward_programs = CompiledPrograms(
             "forward", lambda b: self._lower_forward(b, self.num_blocks)
         )
-        sample_jit = jax.jit(sample_step, static_argnames="num_rows", donate_argnums=(2, 5))
+        sample_jit = jax.jit(
+            functools.partial(step_functions.sample_step, statics), static_argnames="num_rows", donate_argnums=(2, 5)
+        )
         write_jit = jax.jit(
             functools.partial(write_new_requests, layout=self.req_states.layout), donate_argnums=(0,)
         )
-        prompt_logprobs_jit = jax.jit(prompt_logprobs)
+        prompt_logprobs_jit = jax.jit(functools.partial(step_functions.prompt_logprobs, statics))
         words = bitmask_words(self.vocab_size)
         hidden_spec = jax.ShapeDtypeStruct(
             (self.max_num_reqs, self.num_spec + 1, self.model_arch.hidden_size), self.model.dtype

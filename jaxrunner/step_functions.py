@@ -1,0 +1,119 @@
+"""The pure functions the runner compiles: one forward step, one sampling step, prompt logprobs.
+
+They close over nothing but ``StepStatics`` (graphs and static sizes); the
+parameters, KV caches and device state are arguments, so each bucket compiles
+to one program and the caches and state can be donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrunner.config import SamplerConfig
+from jaxrunner.input_batch import SampleRows, StepShape, post_update, prepare_inputs
+from jaxrunner.sample.logprobs import compute_logprobs
+from jaxrunner.sample.sampler import prepare_logits, sample
+from jaxrunner.spec_decode.rejection_sampler import rejection_sample
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStatics:
+    """What the step functions need that is not an array."""
+
+    graphdef: nnx.GraphDef
+    drafter: Any | None  # a DraftModel or EagleDrafter: proposes drafts on the device
+    block_size: int
+    max_num_reqs: int
+    num_spec: int
+    sampler_config: SamplerConfig
+
+
+def forward(statics: StepStatics, params, draft_params, kv_caches, draft_kv, state, step_buffer, *, shape: StepShape):
+    """Input preparation, the model (and the drafter's pass), and the hidden rows to sample."""
+    model = nnx.merge(statics.graphdef, params)
+    state, input_ids, positions, metadata, rows, row_index = prepare_inputs(
+        state, step_buffer, shape, statics.block_size
+    )
+    hidden, kv_caches = model(input_ids, positions, kv_caches, metadata)
+    if statics.drafter is not None:
+        draft_kv = statics.drafter.on_step(draft_params, draft_kv, model, input_ids, positions, metadata, hidden)
+    sample_hidden = hidden[row_index]  # [requests, 1 + drafts, hidden]
+    pad = statics.max_num_reqs - shape.num_reqs
+    sample_hidden = jnp.pad(sample_hidden, ((0, pad), (0, 0), (0, 0)))
+    return kv_caches, draft_kv, state, sample_hidden, rows, hidden
+
+
+def sample_step(
+    statics: StepStatics, params, draft_params, draft_kv, sample_hidden, rows: SampleRows, state,
+    grammar_bitmask, grammar_active, *, num_rows: int,
+):
+    """Logits, sampling (or verification of drafts), the post-update, and the next drafts."""
+    model = nnx.merge(statics.graphdef, params)
+    config = statics.sampler_config
+    head = jax.tree.map(lambda a: a[:num_rows], rows)
+    if statics.num_spec == 0:
+        logits = model.compute_logits(sample_hidden[:num_rows, 0])
+        output = sample(
+            logits, state.sampling, state.token_ids, head.idx_mapping, head.positions[:, 0],
+            grammar_bitmask, grammar_active,
+            max_logprobs=config.max_logprobs, logprobs_mode=config.logprobs_mode,
+        )
+        tokens = output.sampled_token_ids[:, None]
+        state = post_update(state, rows, tokens, jnp.ones(num_rows, jnp.int32))
+        return draft_kv, state, tokens, output.logprobs
+    # Verification: every logits row of a request goes through the full pipeline.
+    # Penalty counts and bad-word history are the ones from before this step
+    # for all of a request's rows (drafts ahead of a row are not counted).
+    k1 = statics.num_spec + 1
+    flat = lambda a: a.reshape(num_rows * k1, *a.shape[2:])
+    repeat = lambda a: jnp.repeat(a, k1, axis=0)
+    unflat = lambda a: a.reshape(num_rows, k1, *a.shape[1:])
+    prepared = prepare_logits(
+        model.compute_logits(flat(sample_hidden[:num_rows])), state.sampling, state.token_ids,
+        repeat(head.idx_mapping), flat(head.positions), repeat(grammar_bitmask), repeat(grammar_active),
+    )
+    verify = jnp.where(prepared.is_greedy[:, None], prepared.processed, prepared.tempered)
+    tokens, num_sampled = rejection_sample(
+        unflat(verify), head.draft_tokens, head.num_drafts, None, unflat(prepared.is_greedy)[:, 0],
+        prepared.rows.seed_lo[::k1], prepared.rows.seed_hi[::k1], head.positions,
+    )
+    state = post_update(state, rows, tokens, num_sampled)
+    if statics.drafter is not None:
+        # The target's feature at the last accepted row, for heads that read it.
+        features = jnp.take_along_axis(
+            sample_hidden[:num_rows], jnp.maximum(num_sampled - 1, 0)[:, None, None], axis=1
+        )[:, 0]
+        draft_kv, state = _propose_on_device(statics, model, draft_params, draft_kv, state, head, features)
+    return draft_kv, state, tokens, None
+
+
+def _propose_on_device(statics: StepStatics, model, draft_params, draft_kv, state, head: SampleRows, features):
+    """Next step's drafts from each sampling row's new last token, left on the device."""
+    idx = head.idx_mapping
+    take = lambda a: a.at[idx].get(mode="fill", fill_value=0)
+    draft_kv, drafts = statics.drafter.propose(
+        draft_params, draft_kv, model, state.block_table, idx,
+        take(state.last_sampled_tokens), take(state.num_computed_tokens), features, head.is_sampling,
+        statics.num_spec, statics.block_size,
+    )
+    return draft_kv, dataclasses.replace(state, draft_tokens=state.draft_tokens.at[idx].set(drafts, mode="drop"))
+
+
+def prompt_logprobs(statics: StepStatics, params, hidden, targets, num_logprobs):
+    """Raw logprobs of each next prompt token, in row chunks to bound the logits' memory."""
+    model = nnx.merge(statics.graphdef, params)
+    chunk = min(hidden.shape[0], 256)
+    pad = -hidden.shape[0] % chunk
+    split = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])
+
+    def one_chunk(args):
+        h, t, k = args
+        return compute_logprobs(model.compute_logits(h), t, k, statics.sampler_config.max_logprobs)
+
+    out = jax.lax.map(one_chunk, (split(hidden), split(targets), split(num_logprobs)))
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[: hidden.shape[0]], out)
