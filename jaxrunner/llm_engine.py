@@ -139,6 +139,19 @@ class LLMEngine:
             raise ValueError(
                 f"The prompt has {len(token_ids)} tokens, more than max_model_len ({self.max_model_len})."
             )
+        scheduler_config = self.scheduler.config
+        if not scheduler_config.enable_chunked_prefill and len(token_ids) > scheduler_config.max_num_batched_tokens:
+            raise ValueError(
+                f"The prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
+                f"({scheduler_config.max_num_batched_tokens}) with chunked prefill off: it could never be scheduled."
+            )
+        manager = self.scheduler.kv_cache_manager
+        needed = manager.num_blocks_for(len(token_ids) + 1 + self.scheduler.num_lookahead_tokens, manager.block_size)
+        if needed > manager.num_usable_blocks:
+            raise ValueError(
+                f"The prompt needs {needed} KV cache blocks, more than the whole cache holds "
+                f"({manager.num_usable_blocks}); shorten it or give the cache more memory."
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to detect stop strings.")
         if self.num_spec and (params.logprobs is not None or params.structured_outputs is not None):

@@ -117,6 +117,15 @@ def test_bad_requests_get_errors_while_the_rest_complete(make_llm):
         assert good.finished and len(good.outputs[0].token_ids) == 12
 
 
+def test_requests_that_could_never_run_are_refused(make_llm):
+    unchunked = make_llm(enable_chunked_prefill=False)
+    out = unchunked.generate([list(range(3, 100)), PROMPTS[0]], GREEDY, use_tqdm=False)
+    assert "max_num_batched_tokens" in out[0].error and out[1].error is None
+    small = make_llm(num_gpu_blocks_override=5)  # 4 usable blocks: 64 tokens
+    out = small.generate([list(range(3, 80)), PROMPTS[0]], GREEDY, use_tqdm=False)
+    assert "KV cache blocks" in out[0].error and len(out[1].outputs[0].token_ids) == 12
+
+
 def test_stop_strings_tokens_and_lengths(make_llm):
     llm = make_llm()
     prompt = "Once upon a time"
