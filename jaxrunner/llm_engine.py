@@ -81,16 +81,30 @@ class LLMEngine:
     ) -> RequestOutput | None:
         """Queue a prompt; returns a finished error output instead if the request is invalid."""
         prompt_text = prompt if isinstance(prompt, str) else None
+        token_ids: list[int] = []
         try:
             token_ids = self._tokenize(prompt)
             self._validate(token_ids, params)
             params = self._with_token_lists(params)
             self.runner.check_sampling_params(params)
+            sequences = self._sequences(request_id, token_ids, params)
+            self._add_grammars(sequences, params)
         except ValueError as error:
             return RequestOutput(
-                request_id, prompt_text, [], [CompletionOutput(0, "", [], finish_reason="error")],
+                request_id, prompt_text, token_ids, [CompletionOutput(0, "", [], finish_reason="error")],
                 finished=True, error=str(error),
             )
+        prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
+        entry = _Prompt(request_id, prompt_text, token_ids, sequences, sequences[0].request.arrival_time,
+                        prompt_logprobs)
+        self._prompts[request_id] = entry
+        for seq in sequences:
+            self._child_to_prompt[seq.request.request_id] = entry
+            self.scheduler.add_request(seq.request)
+        return None
+
+    def _sequences(self, request_id: str, token_ids: list[int], params: SamplingParams) -> list[_Sequence]:
+        """The ``n`` sequences of a prompt; with a seed, child i samples with seed + i."""
         arrival = time.monotonic()
         sequences = []
         for index in range(params.n):
@@ -102,20 +116,7 @@ class LLMEngine:
             request = Request(child_id, token_ids, child_params, self.eos_token_id, arrival_time=arrival)
             logprobs = [] if params.logprobs is not None else None
             sequences.append(_Sequence(request, self._detokenizer(token_ids, child_params), logprobs=logprobs))
-        prompt_logprobs = [None] + [None] * (len(token_ids) - 1) if params.prompt_logprobs is not None else None
-        try:
-            self._add_grammars(sequences, params)
-        except ValueError as error:
-            return RequestOutput(
-                request_id, prompt_text, token_ids, [CompletionOutput(0, "", [], finish_reason="error")],
-                finished=True, error=str(error),
-            )
-        entry = _Prompt(request_id, prompt_text, token_ids, sequences, arrival, prompt_logprobs)
-        self._prompts[request_id] = entry
-        for seq in sequences:
-            self._child_to_prompt[seq.request.request_id] = entry
-            self.scheduler.add_request(seq.request)
-        return None
+        return sequences
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
