@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from jaxrunner.models.transformer import DecoderLayer, KVCache, TransformerConfig, rope_inv_freq
+from jaxrunner.models.transformer import DecoderLayer, KVCache, TransformerConfig, run_layers
 from jaxrunner.ops import AttentionMetadata
 
 
@@ -43,14 +43,8 @@ class EagleHead(nnx.Module):
         metadata: AttentionMetadata,
     ) -> tuple[Float[Array, "T E"], list[KVCache]]:
         """The predicted next features, and the head's updated KV caches."""
-        angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(self.config)[None, :]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
         x = self.fc(jnp.concatenate([token_embeddings, features.astype(token_embeddings.dtype)], axis=-1))
-        new_caches = []
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, cache = layer(x, cos, sin, cache, metadata)
-            new_caches.append(cache)
-        return x, new_caches
+        return run_layers(self.layers, self.config, x, positions, kv_caches, metadata)
 
 
 def init_random_eagle_head(config: TransformerConfig, *, dtype="float32", seed: int = 0) -> EagleHead:

@@ -13,6 +13,7 @@ Tokens of all requests are packed along one axis; the paged KV cache and the
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -280,6 +281,24 @@ class Backbone(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
 
 
+def run_layers(
+    layers: Sequence[DecoderLayer],
+    config: TransformerConfig,
+    x: Float[Array, "T E"],
+    positions: Int[Array, "T"],
+    kv_caches: list[KVCache],
+    metadata: AttentionMetadata,
+) -> tuple[Float[Array, "T E"], list[KVCache]]:
+    """The decoder layers over ``x`` with RoPE at ``positions``, and their updated caches."""
+    angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(config)[None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    new_caches = []
+    for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        x, kv_cache = layer(x, cos, sin, kv_cache, metadata)
+        new_caches.append(kv_cache)
+    return x, new_caches
+
+
 class CausalLM(nnx.Module):
     """A Llama-family causal LM over packed tokens and a paged KV cache.
 
@@ -308,13 +327,9 @@ class CausalLM(nnx.Module):
         metadata: AttentionMetadata,
     ) -> tuple[Float[Array, "T E"], list[KVCache]]:
         """Hidden states after the final norm, and every layer's updated KV cache."""
-        angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(self.config)[None, :]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
-        x = self.model.embed_tokens(input_ids)
-        new_caches = []
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, kv_cache = layer(x, cos, sin, kv_cache, metadata)
-            new_caches.append(kv_cache)
+        x, new_caches = run_layers(
+            self.model.layers, self.config, self.model.embed_tokens(input_ids), positions, kv_caches, metadata
+        )
         return self.model.norm(x), new_caches
 
     def compute_logits(self, hidden: Float[Array, "N E"]) -> Float[Array, "N V"]:

@@ -24,12 +24,23 @@ from jaxrunner.ops import AttentionMetadata
 
 
 @dataclasses.dataclass
-class DraftModel:
-    """The draft model split for jit: its graph, its parameters and its cache's spec."""
+class DeviceDrafter:
+    """A proposer module split for jit: its graph, its parameters and its KV cache's spec."""
 
     graphdef: nnx.GraphDef
     params: nnx.State
     kv_spec: KVCacheSpec
+
+    @classmethod
+    def split(cls, module: nnx.Module, block_size: int, kv_dtype):
+        config = module.config
+        graphdef, params = nnx.split(module)
+        spec = KVCacheSpec(config.num_layers, block_size, config.num_kv_heads, config.head_dim, kv_dtype)
+        return cls(graphdef, params, spec)
+
+
+class DraftModel(DeviceDrafter):
+    """A smaller causal LM of the target's vocabulary."""
 
     @classmethod
     def from_model(cls, model: CausalLM, block_size: int, kv_dtype, target_vocab: int) -> DraftModel:
@@ -38,10 +49,7 @@ class DraftModel:
                 f"The draft model's vocabulary ({model.config.vocab_size}) differs from the target's "
                 f"({target_vocab}); a draft model must share the target's tokenizer."
             )
-        graphdef, params = nnx.split(model)
-        spec = KVCacheSpec(model.config.num_layers, block_size, model.config.num_kv_heads,
-                           model.config.head_dim, kv_dtype)
-        return cls(graphdef, params, spec)
+        return cls.split(model, block_size, kv_dtype)
 
 
     def on_step(

@@ -10,24 +10,19 @@ back for ``k`` greedy drafts. It shares the target's embedding and lm_head.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrunner.kv_cache import KVCaches, KVCacheSpec
+from jaxrunner.kv_cache import KVCaches
 from jaxrunner.models import CausalLM
 from jaxrunner.models.eagle import EagleHead
 from jaxrunner.ops import AttentionMetadata
-from jaxrunner.spec_decode.draft_model import decode_drafts
+from jaxrunner.spec_decode.draft_model import DeviceDrafter, decode_drafts
 
 
-@dataclasses.dataclass
-class EagleDrafter:
-    graphdef: nnx.GraphDef
-    params: nnx.State
-    kv_spec: KVCacheSpec
+class EagleDrafter(DeviceDrafter):
+    """An EAGLE head; it reads the target's embedding, features and lm_head."""
 
     @classmethod
     def from_head(cls, head: EagleHead, block_size: int, kv_dtype, target_hidden: int) -> EagleDrafter:
@@ -36,9 +31,7 @@ class EagleDrafter:
                 f"The EAGLE head's hidden size ({head.config.hidden_size}) differs from the target's "
                 f"({target_hidden}); it must read the target's features."
             )
-        graphdef, params = nnx.split(head)
-        spec = KVCacheSpec(head.config.num_layers, block_size, head.config.num_kv_heads, head.config.head_dim, kv_dtype)
-        return cls(graphdef, params, spec)
+        return cls.split(head, block_size, kv_dtype)
 
     def on_step(
         self, params: nnx.State, kv_caches: KVCaches, target: CausalLM,
