@@ -132,8 +132,8 @@ def prepare_inputs(
     from_sampled = state.last_sampled_tokens.at[token_slot].get(mode="fill", fill_value=0)
     input_ids = jnp.where(positions < prefill_len[token_req], from_prefill, from_sampled)
     if k:
-        source = state.draft_tokens[idx_mapping.clip(0, max_num_reqs - 1)] if shape.drafts_on_device else draft_tokens
-        draft_tokens = source
+        if shape.drafts_on_device:
+            draft_tokens = state.draft_tokens.at[idx_mapping].get(mode="fill", fill_value=0)
         from_draft = draft_tokens.at[token_req, offset - 1].get(mode="fill", fill_value=0)
         input_ids = jnp.where((offset > 0) & (num_drafts[token_req] > 0), from_draft, input_ids)
     input_ids = jnp.where(is_real, input_ids, 0)

@@ -51,7 +51,6 @@ class DraftModel(DeviceDrafter):
             )
         return cls.split(model, block_size, kv_dtype)
 
-
     def on_step(
         self, params: nnx.State, kv_caches: KVCaches, target: CausalLM,
         input_ids: Int[Array, "T"], positions: Int[Array, "T"], metadata: AttentionMetadata,
