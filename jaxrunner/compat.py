@@ -27,3 +27,18 @@ def device_memory_stats(device: jax.Device) -> dict[str, int] | None:
     if not stats or "bytes_limit" not in stats:
         return None
     return stats
+
+
+def mosaic_gpu_interpreter():
+    """Parameters that run a Mosaic GPU kernel through its CPU interpreter.
+
+    The interpreter lives in a private JAX module; this is the one place that names it.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def is_hopper(device: jax.Device) -> bool:
+    """Whether ``device`` is an NVIDIA GPU of compute capability 9.x (H100, H200)."""
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")

@@ -1,0 +1,237 @@
+"""Ragged paged attention on Llama-3-8B shapes: our kernel against its floors and peers.
+
+Measures, in one run: the device's copy bandwidth (JAX, and PyTorch's
+device-to-device copy where torch is installed; the higher is the floor) and its
+bf16 matmul rate; then for each case our Mosaic GPU kernel, the pure-JAX
+reference, and the shipped Pallas baselines where they apply
+(``jax.experimental.pallas.ops.gpu.paged_attention`` for decode,
+``attention_mgpu`` for dense causal prefill). Each case is also checked against
+the reference (max error relative to the largest output).
+
+Decode is reported as effective KV bandwidth (bytes of K and V read / time) over
+the copy bandwidth; prefill as TFLOP/s (causal FLOPs) over the matmul rate.
+
+    python benchmarks/attention_step.py --out attention_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrunner.ops.attention_metadata import AttentionMetadata
+from jaxrunner.ops.attention_mgpu import ragged_paged_attention_mgpu
+from jaxrunner.ops.attention_reference import ragged_paged_attention_reference
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+SM_SCALE = HEAD_DIM**-0.5
+
+
+def seconds(fn, *args, repeats: int = 20) -> float:
+    """Seconds per call of ``fn(*args)``: median over ``repeats`` runs of a device loop of ``inner`` calls."""
+    inner = 10
+
+    @jax.jit
+    def looped(first, *rest):
+        def body(_, acc):
+            # The first input depends on the carry so that XLA cannot hoist the call out of the loop.
+            out = fn(first + (acc * 0).astype(first.dtype), *rest)
+            return acc + out.sum(dtype=jnp.float32)
+
+        return jax.lax.fori_loop(0, inner, body, jnp.float32(0))
+
+    looped(*args).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        looped(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / inner
+
+
+def wall_seconds(fn, *args, repeats: int = 20) -> float:
+    """Median wall time of single calls: for the floors, whose calls run for milliseconds."""
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_floors() -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) through JAX and torch, and the bf16 matmul rate."""
+    n = 1 << 30
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    floors = {"jax_copy_bytes_per_s": 4 * n / wall_seconds(jax.jit(lambda a: a * 2), x)}
+    del x
+    try:
+        import torch
+
+        src = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(20):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            torch.cuda.synchronize()
+            ts.append(start.elapsed_time(end) / 1e3)
+        floors["torch_copy_bytes_per_s"] = 4 * n / statistics.median(ts)
+        del src, dst
+        torch.cuda.empty_cache()
+    except Exception as exc:  # torch missing or without CUDA: JAX's copy is the floor
+        floors["torch_copy_error"] = repr(exc)
+    floors["copy_bytes_per_s"] = max(v for k, v in floors.items() if k.endswith("copy_bytes_per_s"))
+    m = 8192
+    a = jax.random.normal(jax.random.key(0), (m, m), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
+    floors["matmul_flops_per_s"] = 2 * m**3 / wall_seconds(jax.jit(lambda p, q: p @ q), a, b, repeats=10)
+    return floors
+
+
+def make_case(q_lens: list[int], seq_lens: list[int], seed: int = 0):
+    """q, paged caches with shuffled block tables, and metadata for these requests."""
+    rng = np.random.default_rng(seed)
+    blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks) + 1
+    perm = rng.permutation(num_blocks)
+    table = np.zeros((len(seq_lens), max(blocks)), np.int32)
+    at = 0
+    for r, n in enumerate(blocks):
+        table[r, :n] = perm[at : at + n]
+        at += n
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_tokens = int(qsl[-1])
+    metadata = AttentionMetadata(
+        jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(table), jnp.zeros(num_tokens, jnp.int32)
+    )
+    key = jax.random.key(seed)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.bfloat16)
+    v_cache = jax.random.normal(jax.random.fold_in(key, 2), shape, jnp.bfloat16)
+    q = jax.random.normal(jax.random.fold_in(key, 3), (num_tokens, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16)
+    return q, k_cache, v_cache, metadata
+
+
+def kv_bytes(seq_lens: list[int]) -> int:
+    return 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2
+
+
+def causal_flops(q_lens: list[int], seq_lens: list[int]) -> float:
+    """QK and PV FLOPs over the visible (query, key) pairs."""
+    pairs = sum(q * (s - q) + q * (q + 1) / 2 for q, s in zip(q_lens, seq_lens))
+    return 4 * NUM_Q_HEADS * HEAD_DIM * pairs
+
+
+def decode_baseline(q, k_cache, v_cache, metadata):
+    """The shipped Triton-style decode kernel, on its own cache layout ([kv heads, pages, ...])."""
+    from jax.experimental.pallas.ops.gpu import paged_attention
+
+    k_pages = jnp.transpose(k_cache, (2, 0, 1, 3))
+    v_pages = jnp.transpose(v_cache, (2, 0, 1, 3))
+    pages = metadata.block_tables.shape[1]
+    splits = max(d for d in (1, 2, 4, 8, 16) if pages % d == 0)
+    fn = functools.partial(paged_attention.paged_attention, pages_per_compute_block=min(8, pages // splits),
+                           k_splits=splits)
+    return (lambda q, kp, vp, bt, ln: fn(q, kp, vp, bt, ln)), (q, k_pages, v_pages, metadata.block_tables,
+                                                               metadata.seq_lens)
+
+
+def prefill_baseline(q, k_cache, v_cache, metadata, q_lens):
+    """The shipped dense FlashAttention-3 (Mosaic GPU), causal, on contiguous [batch, seq, heads, dim]."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    batch, seq = len(q_lens), q_lens[0]
+    blocks = metadata.block_tables
+    k = k_cache[blocks].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :seq]
+    v = v_cache[blocks].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :seq]
+    qb = q.reshape(batch, seq, NUM_Q_HEADS, HEAD_DIM)
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+    return (lambda q, k, v: attention_mgpu.attention(q, k, v, config)), (qb, k, v)
+
+
+CASES = (
+    [("decode", b, c) for b in (1, 16, 64, 256) for c in (1024, 4096, 32768)]
+    + [("prefill", 1, 8192), ("prefill", 8, 2048), ("mixed", 64, 4096)]
+)
+
+
+def lengths(kind: str, batch: int, context: int) -> tuple[list[int], list[int]]:
+    if kind == "decode":
+        return [1] * batch, [context] * batch
+    if kind == "prefill":
+        return [context] * batch, [context] * batch
+    # Mixed: decodes at `context`, two chunked prefills of 512 on top of 2k, one fresh 1000-token prefill.
+    return [1] * batch + [512, 512, 1000], [context] * batch + [2560, 2560, 1000]
+
+
+def run_case(kind, batch, context, floors) -> dict:
+    q_lens, seq_lens = lengths(kind, batch, context)
+    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens)
+    ours = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=SM_SCALE))
+    ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=SM_SCALE))
+    row = {"kind": kind, "batch": batch, "context": context, "kv_bytes": kv_bytes(seq_lens),
+           "flops": causal_flops(q_lens, seq_lens)}
+    expected = ref(q, k_cache, v_cache, metadata).astype(jnp.float32)
+    got = ours(q, k_cache, v_cache, metadata).astype(jnp.float32)
+    row["max_rel_error"] = float(jnp.max(jnp.abs(got - expected)) / jnp.max(jnp.abs(expected)))
+    timed = {"ours": (ours, (q, k_cache, v_cache, metadata)), "reference": (ref, (q, k_cache, v_cache, metadata))}
+    try:
+        if kind == "decode":
+            timed["pallas_paged_attention"] = decode_baseline(q, k_cache, v_cache, metadata)
+        elif kind == "prefill":
+            timed["pallas_attention_mgpu"] = prefill_baseline(q, k_cache, v_cache, metadata, q_lens)
+    except Exception as exc:
+        row["baseline_error"] = repr(exc)
+    for name, (fn, args) in timed.items():
+        try:
+            t = seconds(fn, *args)
+        except Exception as exc:
+            row[f"{name}_error"] = "".join(traceback.format_exception_only(exc))[-2000:]
+            continue
+        row[f"{name}_s"] = t
+        row[f"{name}_kv_bw_fraction"] = row["kv_bytes"] / t / floors["copy_bytes_per_s"]
+        row[f"{name}_matmul_fraction"] = row["flops"] / t / floors["matmul_flops_per_s"]
+    del q, k_cache, v_cache
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="attention_step.json")
+    parser.add_argument("--only", nargs="*", help="case names kind:batch:context to run (default: all)")
+    args = parser.parse_args()
+    floors = measure_floors()
+    print(json.dumps(floors), flush=True)
+    rows = []
+    for kind, batch, context in CASES:
+        if args.only and f"{kind}:{batch}:{context}" not in args.only:
+            continue
+        try:
+            row = run_case(kind, batch, context, floors)
+        except Exception as exc:
+            row = {"kind": kind, "batch": batch, "context": context,
+                   "error": "".join(traceback.format_exception(exc))[-4000:]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "floors": floors, "cases": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,452 @@
+"""Ragged paged attention as a Mosaic GPU (Pallas) kernel for NVIDIA Hopper.
+
+Same contract as :func:`ragged_paged_attention_reference`, the oracle it is tested
+against. One kernel serves decodes, chunked and full prefills packed in one batch.
+
+Layout of the work:
+
+* Query rows. For kv head ``h`` the ``G = num_q_heads // num_kv_heads`` query heads
+  that read it are laid out token-major as rows ``t * G + g`` of a ``[kv_heads,
+  tokens * G, head_dim]`` view of q, so all heads of one KV head share every K/V page
+  read (GQA), and a decode of one token still fills ``G`` rows of the tensor-core tile.
+* Tiles. Every request's rows are cut into tiles of ``64 * num_compute_wgs`` rows (a
+  request's last tile may be short). One program owns one (KV split, tile, kv head):
+  each compute warpgroup holds 64 rows of the tile and both walk the same KV stages.
+* KV pipeline. A producer warpgroup reads the request's block table from GMEM and
+  issues one TMA copy per cache page (``[block_size, head_dim]`` of one kv head) into
+  a ``num_stages``-deep ring of shared-memory stages of ``pages_per_stage`` pages;
+  compute warpgroups run ``Q K^T`` and ``P V`` on the tensor cores (wgmma) with an
+  online softmax in registers, and release each stage through an mbarrier.
+* Flash decoding. With ``num_kv_splits > 1`` each tile's KV range is cut into that
+  many contiguous stage ranges, each written as a partial output with its
+  log-sum-exp, combined afterwards in XLA, so a batch of one long request still
+  fills the GPU.
+
+Outputs go to a tile-major buffer (every tile writes whole 64-row blocks, so no
+program writes another's rows) and one gather puts rows back in token order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float, Int
+
+from jaxrunner.ops.attention_metadata import AttentionMetadata
+
+ROWS_PER_WG = 64
+"""Query rows per compute warpgroup: the M of one wgmma."""
+
+MASKED = -1e30
+"""Score of a masked key (log2 domain): finite, so fully masked rows never make NaN."""
+
+LOG2_E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static tuning of one kernel launch."""
+
+    pages_per_stage: int
+    """Cache pages copied per pipeline stage (the stage's keys: pages x block_size)."""
+    num_stages: int
+    """Stages in flight in the shared-memory ring."""
+    num_compute_wgs: int
+    """Compute warpgroups per program (1 or 2); a tile holds 64 rows per warpgroup."""
+    num_kv_splits: int
+    """Programs sharing one tile's KV range (flash decoding); 1 for no split."""
+
+    @property
+    def tile_rows(self) -> int:
+        return ROWS_PER_WG * self.num_compute_wgs
+
+
+class TileSchedule(NamedTuple):
+    """Per tile (a grid index): the int32 fields the kernel reads, as ``[tiles, 8]``.
+
+    Columns: request, first q row (in the ``[tokens * G]`` row space), valid rows,
+    position of the tile's first row's token, first and end key position, split
+    stages, and unused.
+    """
+
+    fields: Int[Array, "tiles 8"]
+    tile_start: Int[Array, "num_reqs"]
+    """First tile of each request, to map rows back to their tiles."""
+
+
+REQ, Q_ROW, NUM_ROWS, ROW_OFFSET, Q_POS0, KV_START, KV_END = range(7)
+
+
+def num_tiles_bound(num_tokens: int, num_reqs: int, group: int, tile_rows: int) -> int:
+    """Most tiles ``num_reqs`` requests sharing ``num_tokens`` tokens can need."""
+    return min(num_tokens * group, (num_tokens * group + num_reqs * (tile_rows - 1)) // tile_rows)
+
+
+def tile_schedule(
+    metadata: AttentionMetadata,
+    group: int,
+    tile_rows: int,
+    num_tiles: int,
+    sliding_window: int | None,
+) -> TileSchedule:
+    """Cut each request's ``q_len * group`` rows into tiles; unused tiles get 0 rows."""
+    qsl = metadata.query_start_loc
+    num_reqs = metadata.seq_lens.shape[0]
+    q_len = qsl[1:] - qsl[:-1]
+    tiles_per_req = (q_len * group + tile_rows - 1) // tile_rows
+    tiles_end = jnp.cumsum(tiles_per_req)
+    tile_start = (tiles_end - tiles_per_req).astype(jnp.int32)
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    req = jnp.minimum(jnp.searchsorted(tiles_end, tile, side="right"), num_reqs - 1).astype(jnp.int32)
+    row_offset = (tile - tile_start[req]) * tile_rows
+    num_rows = jnp.where(tile < tiles_end[-1], jnp.clip(q_len[req] * group - row_offset, 0, tile_rows), 0)
+    q_pos0 = metadata.seq_lens[req] - q_len[req]
+    first_pos = q_pos0 + row_offset // group
+    kv_end = jnp.where(num_rows > 0, q_pos0 + (row_offset + num_rows - 1) // group + 1, 0)
+    kv_start = jnp.zeros_like(kv_end)
+    if sliding_window:
+        kv_start = jnp.maximum(first_pos - sliding_window + 1, 0)
+    q_row = jnp.where(num_rows > 0, qsl[req] * group + row_offset, 0)  # unused tiles read row 0
+    fields = jnp.stack(
+        [req, q_row, num_rows, row_offset, q_pos0, kv_start, kv_end, jnp.zeros_like(req)], axis=1
+    ).astype(jnp.int32)
+    return TileSchedule(fields, tile_start)
+
+
+def _kernel_body(
+    sched_ref,
+    block_tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    out_ref,
+    lse_ref,
+    *,
+    config: KernelConfig,
+    group: int,
+    block_size: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    interpreted: bool,
+):
+    """One program: (split, tile, kv head). Warpgroups ``0..n-1`` compute, ``n`` copies."""
+    head_dim = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    n_wg = config.num_compute_wgs
+    pages = config.pages_per_stage
+    stages = config.num_stages
+    stage_keys = pages * block_size
+    max_blocks = block_tables_ref.shape[1]
+
+    if interpreted:  # the interpreter takes no layout hints
+        iota = functools.partial(lax.broadcasted_iota, jnp.int32)
+        wgmma_layout = lambda x: x  # noqa: E731
+    else:
+        iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
+        wgmma_layout = _wgmma_layout
+
+    split = lax.axis_index("split")
+    tile = lax.axis_index("tile")
+    kv_head = lax.axis_index("kv_head")
+    req = sched_ref[tile, REQ]
+    num_rows = sched_ref[tile, NUM_ROWS]
+    kv_start = sched_ref[tile, KV_START]
+    kv_end = sched_ref[tile, KV_END]
+
+    first_stage = kv_start // stage_keys
+    end_stage = (kv_end + stage_keys - 1) // stage_keys
+    per_split = (end_stage - first_stage + config.num_kv_splits - 1) // config.num_kv_splits
+    lo = jnp.minimum(first_stage + split * per_split, end_stage)
+    hi = jnp.minimum(lo + per_split, end_stage)
+    num_steps = jnp.where(num_rows > 0, hi - lo, 0)
+
+    def scoped(q_smem, o_smem_f32, lse_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < n_wg)
+        def _compute():
+            row0 = sched_ref[tile, Q_ROW] + wg * ROWS_PER_WG
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[kv_head, pl.ds(row0, ROWS_PER_WG)], q_smem.at[wg], q_bar.at[wg]
+            )
+            rows = iota((ROWS_PER_WG, stage_keys), 0)
+            cols = iota((ROWS_PER_WG, stage_keys), 1)
+            row_in_req = sched_ref[tile, ROW_OFFSET] + wg * ROWS_PER_WG + rows
+            q_pos = sched_ref[tile, Q_POS0] + row_in_req // group
+            row_valid = rows + wg * ROWS_PER_WG < num_rows
+            m = wgmma_layout(jnp.full((ROWS_PER_WG,), MASKED, jnp.float32))
+            l = wgmma_layout(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32))
+            acc = wgmma_layout(jnp.zeros((ROWS_PER_WG, head_dim), jnp.float32))
+            plgpu.barrier_wait(q_bar.at[wg])
+
+            def step(i, carry):
+                acc, m, l = carry
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                s = _scores(q_smem.at[wg], k_smem.at[slot], interpreted)
+                plgpu.barrier_arrive(k_free.at[slot])
+                if soft_cap:
+                    s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2_E)
+                else:
+                    s = s * (sm_scale * LOG2_E)
+                k_pos = (lo + i) * stage_keys + cols
+                visible = (k_pos <= q_pos) & row_valid
+                if sliding_window:
+                    visible &= k_pos > q_pos - sliding_window
+                s = jnp.where(visible, s, MASKED)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                pv_out = _weighted_values(p.astype(dtype), v_smem.at[slot], interpreted)
+                plgpu.barrier_arrive(v_free.at[slot])
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_out
+                return acc, m_new, l
+
+            acc, m, l = lax.fori_loop(0, num_steps, step, (acc, m, l))
+            l_safe = jnp.maximum(l, 1e-30)
+            o_smem = q_smem if o_smem_f32 is None else o_smem_f32
+            o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
+            if lse_smem is not None:
+                lse_smem.at[wg][...] = m + jnp.log2(l_safe)
+            plgpu.commit_smem()
+            out_row = tile * config.tile_rows + wg * ROWS_PER_WG
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[split, kv_head, pl.ds(out_row, ROWS_PER_WG)])
+            if lse_smem is not None:
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, kv_head, pl.ds(out_row, ROWS_PER_WG)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == n_wg)
+        def _copy():
+            def issue(i):
+                slot = lax.rem(i, stages)
+                for p in range(pages):
+                    j = jnp.minimum((lo + i) * pages + p, max_blocks - 1)
+                    page = jnp.maximum(block_tables_ref[req, j], 0)
+                    dst = pl.ds(p * block_size, block_size)
+                    plgpu.copy_gmem_to_smem(k_ref.at[page, :, kv_head], k_smem.at[slot, dst], k_bar.at[slot])
+                for p in range(pages):
+                    j = jnp.minimum((lo + i) * pages + p, max_blocks - 1)
+                    page = jnp.maximum(block_tables_ref[req, j], 0)
+                    dst = pl.ds(p * block_size, block_size)
+                    plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
+
+            for i in range(stages):
+                pl.when(i < num_steps)(functools.partial(issue, i))
+
+            @pl.loop(0, jnp.maximum(num_steps - stages, 0))
+            def _refill(i):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                issue(i + stages)
+
+            # Observe the last releases too, so every barrier phase is waited on once.
+            @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+            def _drain(i):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+    split_outputs = lse_ref is not None
+    tiled = _smem_transforms(dtype)
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((n_wg, ROWS_PER_WG, head_dim), dtype, transforms=tiled),
+        plgpu.SMEM((n_wg, ROWS_PER_WG, head_dim), jnp.float32, transforms=_smem_transforms(jnp.float32))
+        if split_outputs
+        else None,
+        plgpu.SMEM((n_wg, ROWS_PER_WG), jnp.float32) if split_outputs else None,
+        plgpu.SMEM((stages, stage_keys, head_dim), dtype, transforms=tiled),
+        plgpu.SMEM((stages, stage_keys, head_dim), dtype, transforms=tiled),
+        plgpu.Barrier(num_barriers=n_wg),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
+        collective_axes="wg",
+    )
+
+
+# The interpreter's wgmma takes neither transposed nor register operands; it computes
+# a plain float32 matmul anyway, so under it both products come from the loaded tiles.
+
+
+def _scores(q_smem, k_smem, interpreted: bool) -> Float[Array, "rows keys"]:
+    """``Q K^T`` in float32 on the tensor cores (wgmma, K transposed in shared memory)."""
+    if interpreted:
+        return jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
+
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+        return acc_ref[...]
+
+    return pl.run_scoped(qk, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
+
+
+def _weighted_values(p: Float[Array, "rows keys"], v_smem, interpreted: bool) -> Float[Array, "rows head_dim"]:
+    """``P V`` in float32 on the tensor cores (P from registers, V in shared memory)."""
+    if interpreted:
+        return jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_smem)
+        return acc_ref[...]
+
+    return pl.run_scoped(pv, plgpu.ACC((p.shape[0], v_smem.shape[1]), jnp.float32))
+
+
+def _wgmma_layout(x: Array) -> Array:
+    """Pin a row vector (or a row-major tile) to the layout of wgmma accumulators' rows."""
+    layout = plgpu.Layout.WGMMA.reduce(1) if x.ndim == 1 else plgpu.Layout.WGMMA
+    return plgpu.layout_cast(x, layout)
+
+
+def _smem_transforms(dtype) -> tuple:
+    """128-byte swizzled tiles of 8 rows: the shared-memory layout wgmma and TMA want."""
+    swizzle = 128
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def kernel_supports(dtype, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel runs this case on a GPU: 16-bit caches, its head dims, 8-row-aligned pages."""
+    return (
+        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and head_dim in SUPPORTED_HEAD_DIMS
+        and block_size % 8 == 0
+    )
+
+
+def choose_config(
+    num_tokens: int,
+    num_reqs: int,
+    group: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_blocks_per_req: int,
+    itemsize: int,
+    num_sms: int = 132,
+) -> KernelConfig:
+    """The tuning table: static shapes -> launch parameters.
+
+    Decode-like batches (at most 64 query rows per request) use one compute
+    warpgroup and 64-key stages; prefills use two and 128-key stages. Stages fill
+    about 128 KiB of shared memory. KV splits are added until the grid holds about
+    two programs per SM, never more than a request's stages.
+    """
+    decode_like = num_tokens * group <= num_reqs * ROWS_PER_WG
+    n_wg = 1 if decode_like else 2
+    stage_keys = 64 if decode_like else 128
+    pages = max(stage_keys // block_size, 1)  # pages larger than a stage make a stage of one page
+    stage_bytes = 2 * pages * block_size * head_dim * itemsize
+    stages = max(2, min(4, (128 * 1024) // stage_bytes))
+    tiles = num_tiles_bound(num_tokens, num_reqs, group, ROWS_PER_WG * n_wg)
+    most_stages = max(-(-max_blocks_per_req // pages), 1)
+    splits = max(1, min(-(-2 * num_sms // (tiles * num_kv_heads)), most_stages))
+    return KernelConfig(pages_per_stage=pages, num_stages=stages, num_compute_wgs=n_wg, num_kv_splits=splits)
+
+
+def _gather_rows(
+    metadata: AttentionMetadata, schedule: TileSchedule, num_tokens: int, group: int, tile_rows: int
+) -> tuple[Int[Array, "num_tokens group"], Array]:
+    """Index of each (token, head-in-group) row in the tile-major output, and token validity."""
+    qsl = metadata.query_start_loc
+    num_reqs = metadata.seq_lens.shape[0]
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    req = jnp.minimum(jnp.searchsorted(qsl[1:], token, side="right"), num_reqs - 1)
+    row_in_req = (token - qsl[req])[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]
+    tile = schedule.tile_start[req][:, None] + row_in_req // tile_rows
+    index = tile * tile_rows + row_in_req % tile_rows
+    valid = token < qsl[-1]
+    return jnp.where(valid[:, None], index, 0), valid
+
+
+def ragged_paged_attention_mgpu(
+    q: Float[Array, "num_tokens num_q_heads head_dim"],
+    k_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
+    v_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
+    metadata: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    config: KernelConfig | None = None,
+    interpret=None,
+) -> Float[Array, "num_tokens num_q_heads head_dim"]:
+    """The Mosaic GPU kernel behind :func:`ragged_paged_attention`'s contract.
+
+    ``config`` overrides the tuning table; ``interpret`` (an ``InterpretGPUParams``)
+    runs the kernel through the Mosaic GPU interpreter on the CPU.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_reqs, max_blocks = metadata.block_tables.shape
+    group = num_q_heads // num_kv_heads
+    if config is None:
+        config = choose_config(
+            num_tokens, num_reqs, group, num_kv_heads, head_dim, block_size, max_blocks, q.dtype.itemsize
+        )
+    tile_rows = config.tile_rows
+    num_tiles = num_tiles_bound(num_tokens, num_reqs, group, tile_rows)
+    schedule = tile_schedule(metadata, group, tile_rows, num_tiles, sliding_window)
+
+    q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_rows = q_rows.reshape(num_kv_heads, num_tokens * group, head_dim)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, tile_rows), (0, 0)))
+    splits = config.num_kv_splits
+    out_rows = num_tiles * tile_rows
+    out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), q.dtype if splits == 1 else jnp.float32)]
+    if splits > 1:
+        out_type.append(jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows), jnp.float32))
+
+    body = functools.partial(
+        _kernel_body,
+        config=config,
+        group=group,
+        block_size=block_size,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpreted=interpret is not None,
+    )
+
+    def entry(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref=None):
+        body(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref)
+
+    results = plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(splits, num_tiles, num_kv_heads),
+        grid_names=("split", "tile", "kv_head"),
+        num_threads=config.num_compute_wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )(schedule.fields, metadata.block_tables.astype(jnp.int32), q_rows, k_cache, v_cache)
+
+    index, valid = _gather_rows(metadata, schedule, num_tokens, group, tile_rows)
+    out = results[0][:, :, index]
+    if splits > 1:
+        lse = results[1][:, :, index]
+        weight = jnp.exp2(lse - lse.max(axis=0, keepdims=True))
+        out = (out * weight[..., None]).sum(axis=0) / weight.sum(axis=0)[..., None]
+    else:
+        out = out[0]
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)

@@ -1,0 +1,105 @@
+"""The Mosaic GPU ragged paged attention kernel against the pure-JAX reference.
+
+On the CPU the kernel runs through the Mosaic GPU interpreter (small shapes: it
+simulates every warpgroup, barrier and TMA copy); the ``gpu`` tests run the
+compiled kernel at real sizes. Inputs are random mixed batches over shuffled
+block tables with padded tokens and requests (``test_attention_reference``).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrunner.compat import mosaic_gpu_interpreter
+from jaxrunner.ops import ragged_paged_attention
+from jaxrunner.ops.attention_mgpu import (
+    KernelConfig,
+    choose_config,
+    num_tiles_bound,
+    ragged_paged_attention_mgpu,
+    tile_schedule,
+)
+from test_attention_reference import LONG, MIXED, ODD, Case, _check, _make_inputs
+
+SMALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
+
+
+def _kernel_vs_reference(case: Case, seed: int, config: KernelConfig | None, tol: float, interpret) -> None:
+    q, k_cache, v_cache, metadata = _make_inputs(case, seed)
+    kwargs = dict(sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+    kernel = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, config=config, interpret=interpret, **kwargs))
+    reference = jax.jit(lambda *a: ragged_paged_attention(*a, impl="reference", **kwargs))
+    got = np.asarray(kernel(q, k_cache, v_cache, metadata), np.float64)
+    want = np.asarray(reference(q, k_cache, v_cache, metadata), np.float64)
+    _check(case, got, want, tol)
+
+
+@pytest.mark.parametrize(
+    "case, config, tol",
+    [
+        # float32: 4-page stages over a 2-deep ring (refills), one compute warpgroup.
+        (Case(reqs=MIXED, **SMALL), KernelConfig(4, 2, 1, 1), 1e-5),
+        # Odd lengths (1, 15, 17, block +- 1), one-page stages, two compute warpgroups.
+        (Case(reqs=ODD, **SMALL), KernelConfig(1, 2, 2, 1), 1e-5),
+        # bf16, KV split in three (partial outputs combined), sliding window and soft cap.
+        (Case(reqs=LONG, sliding_window=23, soft_cap=2.0, dtype=jnp.bfloat16, **SMALL), KernelConfig(2, 3, 1, 3), 1e-2),
+    ],
+    ids=["f32-mixed", "f32-odd-2wg", "bf16-split-window-cap"],
+)
+def test_interpreted_kernel_matches_reference(case, config, tol):
+    _kernel_vs_reference(case, seed=3, config=config, tol=tol, interpret=mosaic_gpu_interpreter())
+
+
+def test_tile_schedule_covers_every_row_once():
+    """Each request's ``q_len * G`` rows land in its own tiles, in order, none dropped or shared."""
+    case = Case(reqs=MIXED, num_q_heads=8, num_kv_heads=2)
+    _, _, _, metadata = _make_inputs(case, seed=1)
+    group, tile_rows = 4, 64
+    num_tokens = sum(q for _, q in case.reqs) + case.pad_tokens
+    num_tiles = num_tiles_bound(num_tokens, len(case.reqs) + case.pad_reqs, group, tile_rows)
+    fields = np.asarray(tile_schedule(metadata, group, tile_rows, num_tiles, sliding_window=None).fields)
+    qsl = np.asarray(metadata.query_start_loc)
+    covered = []
+    for req, q_row, num_rows, row_offset, q_pos0, kv_start, kv_end, _ in fields[fields[:, 2] > 0]:
+        assert q_row == qsl[req] * group + row_offset
+        assert kv_start == 0 and kv_end == q_pos0 + (row_offset + num_rows - 1) // group + 1
+        covered.extend(range(q_row, q_row + num_rows))
+    assert covered == list(range(qsl[len(case.reqs)] * group))
+
+
+def test_config_table_splits_only_small_grids():
+    decode_1 = choose_config(1, 1, 4, 8, 128, 16, 2048, 2)
+    decode_64 = choose_config(64, 64, 4, 8, 128, 16, 256, 2)
+    prefill = choose_config(8192, 1, 4, 8, 128, 16, 512, 2)
+    assert decode_1.num_kv_splits > 1 and decode_1.num_compute_wgs == 1
+    assert decode_64.num_kv_splits == 1 and decode_64.num_compute_wgs == 1
+    assert prefill.num_kv_splits == 1 and prefill.num_compute_wgs == 2
+
+
+def test_unknown_impl_flag_is_refused(monkeypatch):
+    case = Case(reqs=((0, 1),), **SMALL)
+    q, k_cache, v_cache, metadata = _make_inputs(case, seed=0)
+    monkeypatch.setenv("JAXRUNNER_ATTENTION_IMPL", "triton")
+    with pytest.raises(ValueError, match="JAXRUNNER_ATTENTION_IMPL"):
+        ragged_paged_attention(q, k_cache, v_cache, metadata, sm_scale=0.125)
+
+
+# Real sizes on the H200: Llama-3-8B heads unless a case says otherwise.
+LLAMA = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+GPU_CASES = {
+    "decode-64x4k": Case(reqs=tuple([(4095, 1)] * 64), dtype=jnp.bfloat16, **LLAMA),
+    "decode-1x32k-split": Case(reqs=((32767, 1),), dtype=jnp.bfloat16, **LLAMA),
+    "mixed": Case(reqs=((0, 1024), (2048, 512), (1000, 1), (3000, 1), (17, 15)) + MIXED, dtype=jnp.bfloat16, **LLAMA),
+    "odd-fp16": Case(reqs=ODD + LONG, dtype=jnp.float16, **LLAMA),
+    "prefill-2k": Case(reqs=((0, 2048),), dtype=jnp.bfloat16, **LLAMA),
+    "window-cap": Case(reqs=MIXED + LONG, sliding_window=33, soft_cap=30.0, dtype=jnp.bfloat16, **LLAMA),
+    "head-dim-64": Case(reqs=MIXED, dtype=jnp.bfloat16, num_q_heads=16, num_kv_heads=2, head_dim=64),
+    "head-dim-256": Case(reqs=MIXED, dtype=jnp.bfloat16, num_q_heads=8, num_kv_heads=4, head_dim=256),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_CASES))
+def test_compiled_kernel_matches_reference(name):
+    _kernel_vs_reference(GPU_CASES[name], seed=7, config=None, tol=1e-2, interpret=None)
