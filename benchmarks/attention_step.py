@@ -160,6 +160,7 @@ def prefill_baseline(q, k_cache, v_cache, metadata, q_lens):
     k = k_cache[blocks].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :seq]
     v = v_cache[blocks].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :seq]
     qb = q.reshape(batch, seq, NUM_Q_HEADS, HEAD_DIM)
+    qb, k, v = (x.astype(jnp.float16) for x in (qb, k, v))  # its shared memory is float16
     config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
     return (lambda q, k, v: attention_mgpu.attention(q, k, v, config)), (qb, k, v)
 

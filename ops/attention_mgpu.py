@@ -17,10 +17,12 @@ Layout of the work:
   a ``num_stages``-deep ring of shared-memory stages of ``pages_per_stage`` pages;
   compute warpgroups run ``Q K^T`` and ``P V`` on the tensor cores (wgmma) with an
   online softmax in registers, and release each stage through an mbarrier.
+* Masks. Only the stages that cross a row's causal edge or window edge compute a
+  mask; the stages every row sees whole skip it.
 * Flash decoding. With ``num_kv_splits > 1`` each tile's KV range is cut into that
-  many contiguous stage ranges, each written as a partial output with its
-  log-sum-exp, combined afterwards in XLA, so a batch of one long request still
-  fills the GPU.
+  many contiguous stage ranges, each written as a partial output (in q's dtype)
+  with its log-sum-exp, combined afterwards in XLA, so a batch of one long request
+  still fills the GPU.
 
 Outputs go to a tile-major buffer (every tile writes whole 64-row blocks, so no
 program writes another's rows) and one gather puts rows back in token order.
@@ -105,7 +107,7 @@ def tile_schedule(
     tiles_end = jnp.cumsum(tiles_per_req)
     tile_start = (tiles_end - tiles_per_req).astype(jnp.int32)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    req = jnp.minimum(jnp.searchsorted(tiles_end, tile, side="right"), num_reqs - 1).astype(jnp.int32)
+    req = jnp.minimum(jnp.searchsorted(tiles_end, tile, side="right", method="compare_all"), num_reqs - 1).astype(jnp.int32)
     row_offset = (tile - tile_start[req]) * tile_rows
     num_rows = jnp.where(tile < tiles_end[-1], jnp.clip(q_len[req] * group - row_offset, 0, tile_rows), 0)
     q_pos0 = metadata.seq_lens[req] - q_len[req]
@@ -169,7 +171,14 @@ def _kernel_body(
     hi = jnp.minimum(lo + per_split, end_stage)
     num_steps = jnp.where(num_rows > 0, hi - lo, 0)
 
-    def scoped(q_smem, o_smem_f32, lse_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free):
+    # Stages every row of the tile sees whole (no causal or window mask): [full_lo, full_hi).
+    first_pos = sched_ref[tile, Q_POS0] + sched_ref[tile, ROW_OFFSET] // group
+    full_hi = jnp.clip((first_pos + 1) // stage_keys, lo, hi)
+    full_lo = lo
+    if sliding_window:
+        full_lo = jnp.clip((kv_end - sliding_window + stage_keys - 1) // stage_keys, lo, full_hi)
+
+    def scoped(q_smem, lse_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free):
         wg = lax.axis_index("wg")
 
         @pl.when(wg < n_wg)
@@ -178,52 +187,57 @@ def _kernel_body(
             plgpu.copy_gmem_to_smem(
                 q_ref.at[kv_head, pl.ds(row0, ROWS_PER_WG)], q_smem.at[wg], q_bar.at[wg]
             )
-            rows = iota((ROWS_PER_WG, stage_keys), 0)
-            cols = iota((ROWS_PER_WG, stage_keys), 1)
-            row_in_req = sched_ref[tile, ROW_OFFSET] + wg * ROWS_PER_WG + rows
-            q_pos = sched_ref[tile, Q_POS0] + row_in_req // group
-            row_valid = rows + wg * ROWS_PER_WG < num_rows
             m = wgmma_layout(jnp.full((ROWS_PER_WG,), MASKED, jnp.float32))
             l = wgmma_layout(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32))
             acc = wgmma_layout(jnp.zeros((ROWS_PER_WG, head_dim), jnp.float32))
             plgpu.barrier_wait(q_bar.at[wg])
 
-            def step(i, carry):
-                acc, m, l = carry
-                slot = lax.rem(i, stages)
-                plgpu.barrier_wait(k_bar.at[slot])
+            def visible(stage):
+                """Causal (and window) mask of one stage's keys for this warpgroup's rows."""
+                rows = iota((ROWS_PER_WG, stage_keys), 0)
+                k_pos = stage * stage_keys + iota((ROWS_PER_WG, stage_keys), 1)
+                row_in_req = sched_ref[tile, ROW_OFFSET] + wg * ROWS_PER_WG + rows
+                q_pos = sched_ref[tile, Q_POS0] + row_in_req // group
+                seen = k_pos <= q_pos
+                if sliding_window:
+                    seen &= k_pos > q_pos - sliding_window
+                return seen
 
+            def step(stage, carry, masked: bool):
+                acc, m, l = carry
+                slot = lax.rem(stage - lo, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
                 s = _scores(q_smem.at[wg], k_smem.at[slot], interpreted)
                 plgpu.barrier_arrive(k_free.at[slot])
                 if soft_cap:
                     s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2_E)
                 else:
                     s = s * (sm_scale * LOG2_E)
-                k_pos = (lo + i) * stage_keys + cols
-                visible = (k_pos <= q_pos) & row_valid
-                if sliding_window:
-                    visible &= k_pos > q_pos - sliding_window
-                s = jnp.where(visible, s, MASKED)
+                if masked:
+                    s = jnp.where(visible(stage), s, MASKED)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 plgpu.barrier_wait(v_bar.at[slot])
-
                 pv_out = _weighted_values(p.astype(dtype), v_smem.at[slot], interpreted)
                 plgpu.barrier_arrive(v_free.at[slot])
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_out
                 return acc, m_new, l
 
-            acc, m, l = lax.fori_loop(0, num_steps, step, (acc, m, l))
+            carry = (acc, m, l)
+            end = jnp.where(num_rows > 0, hi, lo)
+            bounds = (lo, jnp.minimum(full_lo, end), jnp.minimum(full_hi, end), end)
+            for (a, b), masked in zip(zip(bounds[:-1], bounds[1:]), (True, False, True)):
+                carry = lax.fori_loop(a, b, functools.partial(step, masked=masked), carry)
+            acc, m, l = carry
             l_safe = jnp.maximum(l, 1e-30)
-            o_smem = q_smem if o_smem_f32 is None else o_smem_f32
-            o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
+            q_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
             if lse_smem is not None:
                 lse_smem.at[wg][...] = m + jnp.log2(l_safe)
             plgpu.commit_smem()
             out_row = tile * config.tile_rows + wg * ROWS_PER_WG
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[split, kv_head, pl.ds(out_row, ROWS_PER_WG)])
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], out_ref.at[split, kv_head, pl.ds(out_row, ROWS_PER_WG)])
             if lse_smem is not None:
                 plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, kv_head, pl.ds(out_row, ROWS_PER_WG)])
             plgpu.wait_smem_to_gmem(0)
@@ -260,15 +274,11 @@ def _kernel_body(
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
-    split_outputs = lse_ref is not None
     tiled = _smem_transforms(dtype)
     pl.run_scoped(
         scoped,
         plgpu.SMEM((n_wg, ROWS_PER_WG, head_dim), dtype, transforms=tiled),
-        plgpu.SMEM((n_wg, ROWS_PER_WG, head_dim), jnp.float32, transforms=_smem_transforms(jnp.float32))
-        if split_outputs
-        else None,
-        plgpu.SMEM((n_wg, ROWS_PER_WG), jnp.float32) if split_outputs else None,
+        plgpu.SMEM((n_wg, ROWS_PER_WG), jnp.float32) if lse_ref is not None else None,
         plgpu.SMEM((stages, stage_keys, head_dim), dtype, transforms=tiled),
         plgpu.SMEM((stages, stage_keys, head_dim), dtype, transforms=tiled),
         plgpu.Barrier(num_barriers=n_wg),
@@ -346,16 +356,18 @@ def choose_config(
     """The tuning table: static shapes -> launch parameters.
 
     Decode-like batches (at most 64 query rows per request) use one compute
-    warpgroup and 64-key stages; prefills use two and 128-key stages. Stages fill
-    about 128 KiB of shared memory. KV splits are added until the grid holds about
-    two programs per SM, never more than a request's stages.
+    warpgroup and 64-key stages in a ring of about 96 KiB, so two programs share
+    an SM; prefills use two compute warpgroups and 128-key stages in about 128 KiB.
+    KV splits are added until the grid holds about two programs per SM, never more
+    than a request's stages.
     """
     decode_like = num_tokens * group <= num_reqs * ROWS_PER_WG
     n_wg = 1 if decode_like else 2
     stage_keys = 64 if decode_like else 128
+    ring_bytes = (96 if decode_like else 128) * 1024
     pages = max(stage_keys // block_size, 1)  # pages larger than a stage make a stage of one page
     stage_bytes = 2 * pages * block_size * head_dim * itemsize
-    stages = max(2, min(4, (128 * 1024) // stage_bytes))
+    stages = max(2, min(4, ring_bytes // stage_bytes))
     tiles = num_tiles_bound(num_tokens, num_reqs, group, ROWS_PER_WG * n_wg)
     most_stages = max(-(-max_blocks_per_req // pages), 1)
     splits = max(1, min(-(-2 * num_sms // (tiles * num_kv_heads)), most_stages))
@@ -369,7 +381,7 @@ def _gather_rows(
     qsl = metadata.query_start_loc
     num_reqs = metadata.seq_lens.shape[0]
     token = jnp.arange(num_tokens, dtype=jnp.int32)
-    req = jnp.minimum(jnp.searchsorted(qsl[1:], token, side="right"), num_reqs - 1)
+    req = jnp.minimum(jnp.searchsorted(qsl[1:], token, side="right", method="compare_all"), num_reqs - 1)
     row_in_req = (token - qsl[req])[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]
     tile = schedule.tile_start[req][:, None] + row_in_req // tile_rows
     index = tile * tile_rows + row_in_req % tile_rows
@@ -408,10 +420,12 @@ def ragged_paged_attention_mgpu(
 
     q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_rows = q_rows.reshape(num_kv_heads, num_tokens * group, head_dim)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, tile_rows), (0, 0)))
+    # Room for a whole tile past the last row, in whole tiles (TMA wants 8-row multiples).
+    padded_rows = (-(-(num_tokens * group) // tile_rows) + 1) * tile_rows
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, padded_rows - num_tokens * group), (0, 0)))
     splits = config.num_kv_splits
     out_rows = num_tiles * tile_rows
-    out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), q.dtype if splits == 1 else jnp.float32)]
+    out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), q.dtype)]
     if splits > 1:
         out_type.append(jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows), jnp.float32))
 

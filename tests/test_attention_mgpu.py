@@ -43,7 +43,7 @@ def _kernel_vs_reference(case: Case, seed: int, config: KernelConfig | None, tol
         # Odd lengths (1, 15, 17, block +- 1), one-page stages, two compute warpgroups.
         (Case(reqs=ODD, **SMALL), KernelConfig(1, 2, 2, 1), 1e-5),
         # bf16, KV split in three (partial outputs combined), sliding window and soft cap.
-        (Case(reqs=LONG, sliding_window=23, soft_cap=2.0, dtype=jnp.bfloat16, **SMALL), KernelConfig(2, 3, 1, 3), 1e-2),
+        (Case(reqs=LONG[:2], sliding_window=23, soft_cap=2.0, dtype=jnp.bfloat16, **SMALL), KernelConfig(2, 3, 1, 3), 1e-2),
     ],
     ids=["f32-mixed", "f32-odd-2wg", "bf16-split-window-cap"],
 )
@@ -103,3 +103,37 @@ GPU_CASES = {
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
 def test_compiled_kernel_matches_reference(name):
     _kernel_vs_reference(GPU_CASES[name], seed=7, config=None, tol=1e-2, interpret=None)
+
+
+@pytest.mark.gpu
+def test_model_logits_through_the_kernel_match_the_reference_path(monkeypatch):
+    """A whole bf16 model, two steps (prefills, then a chunk and decodes), kernel path vs reference path."""
+    from packed_batch import packed_metadata
+    from test_model_parity import jitted_step, pack, random_prompts
+
+    from jaxrunner.models import TransformerConfig, init_random_model
+    from jaxrunner.ops.attention import IMPL_ENV_VAR
+
+    config = TransformerConfig(
+        vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_layers=4,
+        num_heads=8, num_kv_heads=2, head_dim=128,
+    )
+    model = init_random_model(config, dtype="bfloat16", seed=0)
+    prompts = random_prompts(config.vocab_size, [300, 17, 64, 129], seed=2)
+    first, second = [200, 17, 64, 129], [100, 0, 1, 1]
+    common = dict(block_size=16, num_blocks=160, blocks_per_req=32, num_reqs=5)
+    md1, pos1 = packed_metadata(first, **common, num_tokens=512)
+    md2, pos2 = packed_metadata([300, 17, 65, 130], second, **common, num_tokens=128)
+    shape = (160, 16, config.num_kv_heads, config.head_dim)
+    logits = {}
+    for impl in ("reference", "mosaic_gpu"):
+        monkeypatch.setenv(IMPL_ENV_VAR, impl)
+        step = jitted_step(model)
+        caches = [(jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16)) for _ in range(config.num_layers)]
+        out1, caches = step(pack([p[:n] for p, n in zip(prompts, first)], 512), jnp.asarray(pos1), caches, md1)
+        decode_ids = [prompts[0][200:], [], [7], [9]]
+        out2, _ = step(pack(decode_ids, 128), jnp.asarray(pos2), caches, md2)
+        logits[impl] = np.concatenate([np.asarray(out1)[: sum(first)], np.asarray(out2)[: sum(second)]])
+    ref, got = logits["reference"], logits["mosaic_gpu"]
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
