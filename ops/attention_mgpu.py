@@ -6,11 +6,12 @@ against. One kernel serves decodes, chunked and full prefills packed in one batc
 Layout of the work:
 
 * Query rows. For kv head ``h`` the ``G = num_q_heads // num_kv_heads`` query heads
-  that read it are laid out token-major as rows ``t * G + g`` of a ``[kv_heads,
-  tokens * G, head_dim]`` view of q, so all heads of one KV head share every K/V page
-  read (GQA), and a decode of one token still fills ``G`` rows of the tensor-core tile.
+  that read it are laid out token-major as rows ``t * G + g``, so all heads of one
+  KV head share every K/V page read (GQA), and a decode of one token still fills
+  ``G`` rows of the tensor-core tile.
 * Tiles. Every request's rows are cut into tiles of ``64 * num_compute_wgs`` rows (a
-  request's last tile may be short). One program owns one (KV split, tile, kv head):
+  request's last tile may be short), gathered tile-major so that every tile starts on
+  a tile boundary. One program owns one (KV split, tile, kv head):
   each compute warpgroup holds 64 rows of the tile and both walk the same KV stages.
 * KV pipeline. A producer warpgroup reads the request's block table from GMEM and
   issues one TMA copy per cache page (``[block_size, head_dim]`` of one kv head) into
@@ -75,8 +76,8 @@ class TileSchedule(NamedTuple):
     """Per tile (a grid index): the int32 fields the kernel reads, as ``[tiles, 8]``.
 
     Columns: request, first q row (in the ``[tokens * G]`` row space), valid rows,
-    position of the tile's first row's token, first and end key position, split
-    stages, and unused.
+    the tile's first row within its request, the request's first query position,
+    first and end key position, and one unused.
     """
 
     fields: Int[Array, "tiles 8"]
@@ -183,7 +184,7 @@ def _kernel_body(
 
         @pl.when(wg < n_wg)
         def _compute():
-            row0 = sched_ref[tile, Q_ROW] + wg * ROWS_PER_WG
+            row0 = tile * config.tile_rows + wg * ROWS_PER_WG
             plgpu.copy_gmem_to_smem(
                 q_ref.at[kv_head, pl.ds(row0, ROWS_PER_WG)], q_smem.at[wg], q_bar.at[wg]
             )
@@ -331,6 +332,8 @@ def _smem_transforms(dtype) -> tuple:
 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+MIN_STAGES_PER_SPLIT = 8
+"""Splitting shorter than this costs more in per-program setup and combining than it gains."""
 
 
 def kernel_supports(dtype, head_dim: int, block_size: int) -> bool:
@@ -358,20 +361,42 @@ def choose_config(
     Decode-like batches (at most 64 query rows per request) use one compute
     warpgroup and 64-key stages in a ring of about 96 KiB, so two programs share
     an SM; prefills use two compute warpgroups and 128-key stages in about 128 KiB.
-    KV splits are added until the grid holds about two programs per SM, never more
-    than a request's stages.
+    KV splits are added until the grid holds about two programs per SM, each split
+    keeping at least ``MIN_STAGES_PER_SPLIT`` stages of the longest possible request.
     """
     decode_like = num_tokens * group <= num_reqs * ROWS_PER_WG
     n_wg = 1 if decode_like else 2
-    stage_keys = 64 if decode_like else 128
     ring_bytes = (96 if decode_like else 128) * 1024
+    key_bytes = 2 * head_dim * itemsize  # one key's K and V
+    stage_keys = min(64 if decode_like else 128, ring_bytes // (2 * key_bytes))
     pages = max(stage_keys // block_size, 1)  # pages larger than a stage make a stage of one page
-    stage_bytes = 2 * pages * block_size * head_dim * itemsize
-    stages = max(2, min(4, ring_bytes // stage_bytes))
+    stages = max(2, min(4, ring_bytes // (pages * block_size * key_bytes)))
     tiles = num_tiles_bound(num_tokens, num_reqs, group, ROWS_PER_WG * n_wg)
-    most_stages = max(-(-max_blocks_per_req // pages), 1)
-    splits = max(1, min(-(-2 * num_sms // (tiles * num_kv_heads)), most_stages))
+    most_splits = max(-(-max_blocks_per_req // pages) // MIN_STAGES_PER_SPLIT, 1)
+    splits = max(1, min(-(-2 * num_sms // (tiles * num_kv_heads)), most_splits))
     return KernelConfig(pages_per_stage=pages, num_stages=stages, num_compute_wgs=n_wg, num_kv_splits=splits)
+
+
+def _tile_major_queries(
+    q: Float[Array, "num_tokens num_q_heads head_dim"], schedule: TileSchedule, num_kv_heads: int, tile_rows: int
+) -> Float[Array, "num_kv_heads tile_rows_total head_dim"]:
+    """q as ``[kv_heads, tiles * tile_rows, head_dim]``, each tile's rows starting at a tile boundary.
+
+    TMA copies into tiled shared memory need 8-row-aligned starts, which a request's
+    first row (``query_start * G``) need not be; rows past a tile's valid ones are zero.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    fields = schedule.fields
+    r = jnp.arange(tile_rows, dtype=jnp.int32)[None, :]
+    row = fields[:, Q_ROW, None] + r
+    valid = r < fields[:, NUM_ROWS, None]
+    token = jnp.where(valid, row // group, 0).reshape(-1)
+    head_in_group = jnp.where(valid, row % group, 0).reshape(-1)
+    grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    rows = grouped[token, :, head_in_group]  # [tiles * tile_rows, kv_heads, head_dim]
+    rows = jnp.where(valid.reshape(-1)[:, None, None], rows, 0)
+    return rows.transpose(1, 0, 2)
 
 
 def _gather_rows(
@@ -418,11 +443,7 @@ def ragged_paged_attention_mgpu(
     num_tiles = num_tiles_bound(num_tokens, num_reqs, group, tile_rows)
     schedule = tile_schedule(metadata, group, tile_rows, num_tiles, sliding_window)
 
-    q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    q_rows = q_rows.reshape(num_kv_heads, num_tokens * group, head_dim)
-    # Room for a whole tile past the last row, in whole tiles (TMA wants 8-row multiples).
-    padded_rows = (-(-(num_tokens * group) // tile_rows) + 1) * tile_rows
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, padded_rows - num_tokens * group), (0, 0)))
+    q_tiles = _tile_major_queries(q, schedule, num_kv_heads, tile_rows)
     splits = config.num_kv_splits
     out_rows = num_tiles * tile_rows
     out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), q.dtype)]
@@ -452,7 +473,7 @@ def ragged_paged_attention_mgpu(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
-    )(schedule.fields, metadata.block_tables.astype(jnp.int32), q_rows, k_cache, v_cache)
+    )(schedule.fields, metadata.block_tables.astype(jnp.int32), q_tiles, k_cache, v_cache)
 
     index, valid = _gather_rows(metadata, schedule, num_tokens, group, tile_rows)
     out = results[0][:, :, index]
