@@ -368,7 +368,8 @@ def choose_config(
     n_wg = 1 if decode_like else 2
     ring_bytes = (96 if decode_like else 128) * 1024
     key_bytes = 2 * head_dim * itemsize  # one key's K and V
-    stage_keys = min(64 if decode_like else 128, ring_bytes // (2 * key_bytes))
+    # Keys per stage: a multiple of 64 (the K of one 128-byte-swizzled bf16 wgmma), two stages in the ring.
+    stage_keys = max(min(64 if decode_like else 128, ring_bytes // (2 * key_bytes)) // 64 * 64, 64)
     pages = max(stage_keys // block_size, 1)  # pages larger than a stage make a stage of one page
     stages = max(2, min(4, ring_bytes // (pages * block_size * key_bytes)))
     tiles = num_tiles_bound(num_tokens, num_reqs, group, ROWS_PER_WG * n_wg)
