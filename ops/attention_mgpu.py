@@ -415,6 +415,7 @@ def _gather_rows(
     return jnp.where(valid[:, None], index, 0), valid
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
 def ragged_paged_attention_mgpu(
     q: Float[Array, "num_tokens num_q_heads head_dim"],
     k_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
@@ -430,7 +431,8 @@ def ragged_paged_attention_mgpu(
     """The Mosaic GPU kernel behind :func:`ragged_paged_attention`'s contract.
 
     ``config`` overrides the tuning table; ``interpret`` (an ``InterpretGPUParams``)
-    runs the kernel through the Mosaic GPU interpreter on the CPU.
+    runs the kernel through the Mosaic GPU interpreter on the CPU. Jitted, so that a
+    model calling it once per layer lowers (and compiles) the kernel once per shape.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

@@ -68,6 +68,22 @@ def test_tile_schedule_covers_every_row_once():
     assert covered == list(range(qsl[len(case.reqs)] * group))
 
 
+def test_kernel_is_lowered_once_per_shape():
+    """A model calls the kernel once per layer; the program must hold one copy of it, called per layer."""
+    case = Case(reqs=((3, 1), (0, 5)), **SMALL)
+    q, k_cache, v_cache, metadata = _make_inputs(case, seed=0)
+    interpret = mosaic_gpu_interpreter()
+
+    def layers(x):
+        for _ in range(4):
+            x = ragged_paged_attention_mgpu(x, k_cache, v_cache, metadata, sm_scale=0.125, interpret=interpret)
+        return x
+
+    text = jax.jit(layers).lower(q).as_text()
+    assert text.count("func.func private @ragged_paged_attention_mgpu(") == 1
+    assert text.count("call @ragged_paged_attention_mgpu(") == 4
+
+
 def test_config_table_splits_only_small_grids():
     decode_1 = choose_config(1, 1, 4, 8, 128, 16, 2048, 2)
     decode_64 = choose_config(64, 64, 4, 8, 128, 16, 256, 2)
