@@ -10,13 +10,17 @@ the reference (max error relative to the largest output).
 
 Decode is reported as effective KV bandwidth (bytes of K and V read / time) over
 the copy bandwidth; prefill as TFLOP/s (causal FLOPs) over the matmul rate.
+``--sweep`` instead times the tuning table's choice against its neighbours on
+the cases the table is tuned for, each checked against the reference.
 
     python benchmarks/attention_step.py --out attention_step.json
+    python benchmarks/attention_step.py --sweep --out attention_sweep.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -28,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.ops.attention_metadata import AttentionMetadata
-from jaxrunner.ops.attention_mgpu import ragged_paged_attention_mgpu
+from jaxrunner.ops.attention_mgpu import KernelConfig, choose_config, ragged_paged_attention_mgpu
 from jaxrunner.ops.attention_reference import ragged_paged_attention_reference
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -211,11 +215,65 @@ def run_case(kind, batch, context, floors) -> dict:
     return row
 
 
+def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
+    """The table's choice and its neighbours: register split, in-place accumulation, ring and split sizes."""
+    registers = 232 if base.num_compute_wgs == 2 else 216  # what one (two) programs per SM can give
+    options = {
+        "table": base,
+        "registers": dataclasses.replace(base, compute_registers=registers),
+        "in_place": dataclasses.replace(base, accumulate_in_place=True),
+        "registers+in_place": dataclasses.replace(base, compute_registers=registers, accumulate_in_place=True),
+        "stages-1": dataclasses.replace(base, num_stages=max(base.num_stages - 1, 2)),
+        "stages+1": dataclasses.replace(base, num_stages=base.num_stages + 1),
+        "pages*2": dataclasses.replace(base, pages_per_stage=base.pages_per_stage * 2, num_stages=2),
+        "splits*2": dataclasses.replace(base, num_kv_splits=base.num_kv_splits * 2),
+        "splits/2": dataclasses.replace(base, num_kv_splits=max(base.num_kv_splits // 2, 1)),
+    }
+    unique: dict[KernelConfig, str] = {}
+    for name, config in options.items():
+        unique.setdefault(config, name)
+    return {name: config for config, name in unique.items()}
+
+
+def sweep_case(kind, batch, context) -> dict:
+    """Time and check every candidate config of one case; the fastest correct one wins."""
+    q_lens, seq_lens = lengths(kind, batch, context)
+    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens)
+    ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=SM_SCALE))
+    expected = ref(q, k_cache, v_cache, metadata).astype(jnp.float32)
+    num_reqs, max_blocks = metadata.block_tables.shape
+    base = choose_config(q.shape[0], num_reqs, NUM_Q_HEADS // NUM_KV_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                         max_blocks, 2)
+    row = {"kind": kind, "batch": batch, "context": context, "configs": {}}
+    for name, config in candidate_configs(base).items():
+        entry = {"config": dataclasses.asdict(config)}
+        try:
+            fn = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=SM_SCALE, config=config))
+            got = fn(q, k_cache, v_cache, metadata).astype(jnp.float32)
+            entry["max_rel_error"] = float(jnp.max(jnp.abs(got - expected)) / jnp.max(jnp.abs(expected)))
+            entry["s"] = seconds(fn, q, k_cache, v_cache, metadata)
+        except Exception as exc:
+            entry["error"] = "".join(traceback.format_exception_only(exc))[-1500:]
+        row["configs"][name] = entry
+        print(kind, batch, context, name, {k: v for k, v in entry.items() if k != "config"}, flush=True)
+    return row
+
+
+SWEEP_CASES = [("decode", 1, 1024), ("decode", 16, 1024), ("decode", 64, 4096), ("prefill", 1, 8192),
+               ("prefill", 8, 2048)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="attention_step.json")
     parser.add_argument("--only", nargs="*", help="case names kind:batch:context to run (default: all)")
+    parser.add_argument("--sweep", action="store_true", help="time the tuning table's neighbours instead")
     args = parser.parse_args()
+    if args.sweep:
+        rows = [sweep_case(*case) for case in SWEEP_CASES]
+        with open(args.out, "w") as f:
+            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "sweep": rows}, f, indent=1)
+        return
     floors = measure_floors()
     print(json.dumps(floors), flush=True)
     rows = []

@@ -48,6 +48,9 @@ from jaxrunner.ops.attention_metadata import AttentionMetadata
 ROWS_PER_WG = 64
 """Query rows per compute warpgroup: the M of one wgmma."""
 
+COPY_REGISTERS = 40
+"""Registers per thread left to the copy warpgroup when compute warpgroups take more."""
+
 MASKED = -1e30
 """Score of a masked key (log2 domain): finite, so fully masked rows never make NaN."""
 
@@ -66,6 +69,13 @@ class KernelConfig:
     """Compute warpgroups per program (1 or 2); a tile holds 64 rows per warpgroup."""
     num_kv_splits: int
     """Programs sharing one tile's KV range (flash decoding); 1 for no split."""
+    compute_registers: int | None = None
+    """Registers per thread the compute warpgroups take from the copy warpgroup
+    (``setmaxnreg``; the copy warpgroup drops to ``COPY_REGISTERS``); None leaves
+    the compiler's even split."""
+    accumulate_in_place: bool = False
+    """Rescale the output accumulator and let ``P V`` accumulate into it (one
+    accumulator live instead of two)."""
 
     @property
     def tile_rows(self) -> int:
@@ -184,6 +194,8 @@ def _kernel_body(
 
         @pl.when(wg < n_wg)
         def _compute():
+            if config.compute_registers:
+                plgpu.set_max_registers(config.compute_registers, action="increase")
             row0 = tile * config.tile_rows + wg * ROWS_PER_WG
             plgpu.copy_gmem_to_smem(
                 q_ref.at[kv_head, pl.ds(row0, ROWS_PER_WG)], q_smem.at[wg], q_bar.at[wg]
@@ -221,9 +233,10 @@ def _kernel_body(
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 plgpu.barrier_wait(v_bar.at[slot])
-                pv_out = _weighted_values(p.astype(dtype), v_smem.at[slot], interpreted)
+                acc = _accumulate_values(
+                    acc, alpha, p.astype(dtype), v_smem.at[slot], config.accumulate_in_place, interpreted
+                )
                 plgpu.barrier_arrive(v_free.at[slot])
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_out
                 return acc, m_new, l
 
             carry = (acc, m, l)
@@ -245,6 +258,9 @@ def _kernel_body(
 
         @pl.when(wg == n_wg)
         def _copy():
+            if config.compute_registers:
+                plgpu.set_max_registers(COPY_REGISTERS, action="decrease")
+
             def issue(i):
                 slot = lax.rem(i, stages)
                 for p in range(pages):
@@ -307,16 +323,31 @@ def _scores(q_smem, k_smem, interpreted: bool) -> Float[Array, "rows keys"]:
     return pl.run_scoped(qk, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
 
 
-def _weighted_values(p: Float[Array, "rows keys"], v_smem, interpreted: bool) -> Float[Array, "rows head_dim"]:
-    """``P V`` in float32 on the tensor cores (P from registers, V in shared memory)."""
+def _accumulate_values(
+    acc: Float[Array, "rows head_dim"],
+    alpha: Float[Array, "rows"],
+    p: Float[Array, "rows keys"],
+    v_smem,
+    in_place: bool,
+    interpreted: bool,
+) -> Float[Array, "rows head_dim"]:
+    """``acc * alpha + P V`` in float32 on the tensor cores (P from registers, V in shared memory)."""
+    scale = lax.broadcast_in_dim(alpha, acc.shape, [0])
     if interpreted:
-        return jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
+        return acc * scale + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
 
     def pv(acc_ref):
         plgpu.wgmma(acc_ref, p, v_smem)
+
+    if in_place:
+        return pl.run_state(pv)(plgpu.ACC.init(acc * scale))
+
+    def fresh(acc_ref):
+        pv(acc_ref)
         return acc_ref[...]
 
-    return pl.run_scoped(pv, plgpu.ACC((p.shape[0], v_smem.shape[1]), jnp.float32))
+    pv_out = pl.run_scoped(fresh, plgpu.ACC((p.shape[0], v_smem.shape[1]), jnp.float32))
+    return acc * scale + pv_out
 
 
 def _wgmma_layout(x: Array) -> Array:
