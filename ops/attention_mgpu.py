@@ -368,11 +368,13 @@ MIN_STAGES_PER_SPLIT = 8
 
 
 def kernel_supports(dtype, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel runs this case on a GPU: 16-bit caches, its head dims, 8-row-aligned pages."""
+    """Whether the kernel runs this case on a GPU: 16-bit caches, its head dims, and pages that
+    tile a stage of a multiple of 64 keys (8-row-aligned, and either dividing 64 or a multiple of it)."""
     return (
         jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and head_dim in SUPPORTED_HEAD_DIMS
         and block_size % 8 == 0
+        and (64 % block_size == 0 or block_size % 64 == 0)
     )
 
 

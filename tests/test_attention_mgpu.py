@@ -93,6 +93,15 @@ def test_config_table_splits_only_small_grids():
     assert prefill.num_kv_splits == 1 and prefill.num_compute_wgs == 2
 
 
+def test_kernel_takes_only_the_cases_it_supports():
+    from jaxrunner.ops.attention_mgpu import kernel_supports
+
+    assert kernel_supports(jnp.bfloat16, 128, 16) and kernel_supports(jnp.float16, 64, 128)
+    assert not kernel_supports(jnp.float32, 128, 16)  # wgmma would run it in tf32
+    assert not kernel_supports(jnp.bfloat16, 96, 16)
+    assert not kernel_supports(jnp.bfloat16, 128, 48)  # a stage of 48 keys is no wgmma K
+
+
 def test_unknown_impl_flag_is_refused(monkeypatch):
     case = Case(reqs=((0, 1),), **SMALL)
     q, k_cache, v_cache, metadata = _make_inputs(case, seed=0)
