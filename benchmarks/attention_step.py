@@ -216,7 +216,8 @@ def run_case(kind, batch, context, floors) -> dict:
 
 
 def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
-    """The table's choice and its neighbours: register split, in-place accumulation, ring and split sizes."""
+    """The table's choice and its neighbours: register split, in-place accumulation, warpgroup
+    ping-pong, ring and split sizes."""
     registers = 232 if base.num_compute_wgs == 2 else 216  # what one (two) programs per SM can give
     options = {
         "table": base,
@@ -227,6 +228,10 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
         "stages+1": dataclasses.replace(base, num_stages=base.num_stages + 1),
         "pages*2": dataclasses.replace(base, pages_per_stage=base.pages_per_stage * 2, num_stages=2),
         "splits*2": dataclasses.replace(base, num_kv_splits=base.num_kv_splits * 2),
+        **({"pingpong": dataclasses.replace(base, pingpong=True),
+            "pingpong+registers+in_place": dataclasses.replace(base, pingpong=True, compute_registers=registers,
+                                                               accumulate_in_place=True)}
+           if base.num_compute_wgs == 2 else {}),
         "splits/2": dataclasses.replace(base, num_kv_splits=max(base.num_kv_splits // 2, 1)),
     }
     unique: dict[KernelConfig, str] = {}

@@ -76,6 +76,13 @@ class KernelConfig:
     accumulate_in_place: bool = False
     """Rescale the output accumulator and let ``P V`` accumulate into it (one
     accumulator live instead of two)."""
+    pingpong: bool = False
+    """With two compute warpgroups, take turns on the tensor cores: one runs its
+    softmax while the other's matmuls run."""
+
+    def __post_init__(self):
+        if self.pingpong and self.num_compute_wgs != 2:
+            raise ValueError(f"pingpong needs two compute warpgroups, got {self.num_compute_wgs}")
 
     @property
     def tile_rows(self) -> int:
@@ -189,8 +196,13 @@ def _kernel_body(
     if sliding_window:
         full_lo = jnp.clip((kv_end - sliding_window + stage_keys - 1) // stage_keys, lo, full_hi)
 
-    def scoped(q_smem, lse_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free):
+    def scoped(q_smem, lse_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, turn):
         wg = lax.axis_index("wg")
+
+        def rendezvous():
+            """Both compute warpgroups meet; offset by one meeting, they alternate."""
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
 
         @pl.when(wg < n_wg)
         def _compute():
@@ -220,7 +232,7 @@ def _kernel_body(
                 acc, m, l = carry
                 slot = lax.rem(stage - lo, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
-                s = _scores(q_smem.at[wg], k_smem.at[slot], interpreted)
+                s = _scores(q_smem.at[wg], k_smem.at[slot], interpreted, rendezvous if config.pingpong else None)
                 plgpu.barrier_arrive(k_free.at[slot])
                 if soft_cap:
                     s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2_E)
@@ -232,7 +244,12 @@ def _kernel_body(
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
-                plgpu.barrier_wait(v_bar.at[slot])
+                if config.pingpong:  # softmax done; P V waits for the tensor cores' turn
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_wait(turn)
+                else:
+                    plgpu.barrier_wait(v_bar.at[slot])
                 acc = _accumulate_values(
                     acc, alpha, p.astype(dtype), v_smem.at[slot], config.accumulate_in_place, interpreted
                 )
@@ -242,8 +259,12 @@ def _kernel_body(
             carry = (acc, m, l)
             end = jnp.where(num_rows > 0, hi, lo)
             bounds = (lo, jnp.minimum(full_lo, end), jnp.minimum(full_hi, end), end)
+            if config.pingpong:
+                pl.when(wg == 1)(rendezvous)  # warpgroup 0 goes first
             for (a, b), masked in zip(zip(bounds[:-1], bounds[1:]), (True, False, True)):
                 carry = lax.fori_loop(a, b, functools.partial(step, masked=masked), carry)
+            if config.pingpong:
+                pl.when(wg == 0)(rendezvous)  # and meets warpgroup 1's last turn
             acc, m, l = carry
             l_safe = jnp.maximum(l, 1e-30)
             q_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
@@ -303,6 +324,7 @@ def _kernel_body(
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_wg) if config.pingpong else None,
         collective_axes="wg",
     )
 
@@ -311,13 +333,21 @@ def _kernel_body(
 # a plain float32 matmul anyway, so under it both products come from the loaded tiles.
 
 
-def _scores(q_smem, k_smem, interpreted: bool) -> Float[Array, "rows keys"]:
-    """``Q K^T`` in float32 on the tensor cores (wgmma, K transposed in shared memory)."""
+def _scores(q_smem, k_smem, interpreted: bool, after_issue=None) -> Float[Array, "rows keys"]:
+    """``Q K^T`` in float32 on the tensor cores (wgmma, K transposed in shared memory).
+
+    ``after_issue`` runs while the matmul is in flight, before its result is read.
+    """
     if interpreted:
-        return jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
+        scores = jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
+        if after_issue:
+            after_issue()
+        return scores
 
     def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+        if after_issue:
+            after_issue()
         return acc_ref[...]
 
     return pl.run_scoped(qk, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
