@@ -441,7 +441,7 @@ def choose_config(
     return KernelConfig(pages_per_stage=pages, num_stages=stages, num_compute_wgs=n_wg, num_kv_splits=splits)
 
 
-def _tile_major_queries(
+def tile_major_queries(
     q: Float[Array, "num_tokens num_q_heads head_dim"], schedule: TileSchedule, num_kv_heads: int, tile_rows: int
 ) -> Float[Array, "num_kv_heads tile_rows_total head_dim"]:
     """q as ``[kv_heads, tiles * tile_rows, head_dim]``, each tile's rows starting at a tile boundary.
@@ -478,6 +478,54 @@ def _gather_rows(
     return jnp.where(valid[:, None], index, 0), valid
 
 
+def launch_kernel(
+    schedule_fields: Int[Array, "tiles 8"],
+    block_tables: Int[Array, "num_reqs max_blocks"],
+    q_tiles: Float[Array, "num_kv_heads tile_rows_total head_dim"],
+    k_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
+    v_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
+    *,
+    config: KernelConfig,
+    group: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    interpret=None,
+) -> list[Array]:
+    """The kernel alone: tile-major partial outputs ``[splits, kv_heads, rows, head_dim]``
+    and, with splits, their log-sum-exps ``[splits, kv_heads, rows]`` (log2 domain)."""
+    num_kv_heads, out_rows, head_dim = q_tiles.shape
+    num_tiles = out_rows // config.tile_rows
+    splits = config.num_kv_splits
+    out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), q_tiles.dtype)]
+    if splits > 1:
+        out_type.append(jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows), jnp.float32))
+    body = functools.partial(
+        _kernel_body,
+        config=config,
+        group=group,
+        block_size=k_cache.shape[1],
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpreted=interpret is not None,
+    )
+
+    def entry(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref=None):
+        body(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref)
+
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(splits, num_tiles, num_kv_heads),
+        grid_names=("split", "tile", "kv_head"),
+        num_threads=config.num_compute_wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )(schedule_fields, block_tables, q_tiles, k_cache, v_cache)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
 def ragged_paged_attention_mgpu(
     q: Float[Array, "num_tokens num_q_heads head_dim"],
@@ -509,38 +557,21 @@ def ragged_paged_attention_mgpu(
     num_tiles = num_tiles_bound(num_tokens, num_reqs, group, tile_rows)
     schedule = tile_schedule(metadata, group, tile_rows, num_tiles, sliding_window)
 
-    q_tiles = _tile_major_queries(q, schedule, num_kv_heads, tile_rows)
-    splits = config.num_kv_splits
-    out_rows = num_tiles * tile_rows
-    out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), q.dtype)]
-    if splits > 1:
-        out_type.append(jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows), jnp.float32))
-
-    body = functools.partial(
-        _kernel_body,
+    q_tiles = tile_major_queries(q, schedule, num_kv_heads, tile_rows)
+    results = launch_kernel(
+        schedule.fields,
+        metadata.block_tables.astype(jnp.int32),
+        q_tiles,
+        k_cache,
+        v_cache,
         config=config,
         group=group,
-        block_size=block_size,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
-        interpreted=interpret is not None,
-    )
-
-    def entry(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref=None):
-        body(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref)
-
-    results = plgpu.kernel(
-        entry,
-        out_type=out_type,
-        grid=(splits, num_tiles, num_kv_heads),
-        grid_names=("split", "tile", "kv_head"),
-        num_threads=config.num_compute_wgs + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
-    )(schedule.fields, metadata.block_tables.astype(jnp.int32), q_tiles, k_cache, v_cache)
-
+    )
+    splits = config.num_kv_splits
     index, valid = _gather_rows(metadata, schedule, num_tokens, group, tile_rows)
     out = results[0][:, :, index]
     if splits > 1:
