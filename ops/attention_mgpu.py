@@ -20,6 +20,11 @@ Layout of the work:
   online softmax in registers, and release each stage through an mbarrier.
 * Masks. Only the stages that cross a row's causal edge or window edge compute a
   mask; the stages every row sees whole skip it.
+* Tuning (:class:`KernelConfig`, chosen by :func:`choose_config`'s table): stage and
+  ring sizes, compute warpgroups, KV splits, and three switches measured by
+  ``benchmarks/attention_step.py --sweep``: a register split between compute and
+  copy warpgroups, in-place ``P V`` accumulation, and ping-pong of two compute
+  warpgroups on the tensor cores.
 * Flash decoding. With ``num_kv_splits > 1`` each tile's KV range is cut into that
   many contiguous stage ranges, each written as a partial output (in q's dtype)
   with its log-sum-exp, combined afterwards in XLA, so a batch of one long request
@@ -125,7 +130,8 @@ def tile_schedule(
     tiles_end = jnp.cumsum(tiles_per_req)
     tile_start = (tiles_end - tiles_per_req).astype(jnp.int32)
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    req = jnp.minimum(jnp.searchsorted(tiles_end, tile, side="right", method="compare_all"), num_reqs - 1).astype(jnp.int32)
+    req = jnp.searchsorted(tiles_end, tile, side="right", method="compare_all")
+    req = jnp.minimum(req, num_reqs - 1).astype(jnp.int32)
     row_offset = (tile - tile_start[req]) * tile_rows
     num_rows = jnp.where(tile < tiles_end[-1], jnp.clip(q_len[req] * group - row_offset, 0, tile_rows), 0)
     q_pos0 = metadata.seq_lens[req] - q_len[req]
@@ -134,7 +140,7 @@ def tile_schedule(
     kv_start = jnp.zeros_like(kv_end)
     if sliding_window:
         kv_start = jnp.maximum(first_pos - sliding_window + 1, 0)
-    q_row = jnp.where(num_rows > 0, qsl[req] * group + row_offset, 0)  # unused tiles read row 0
+    q_row = jnp.where(num_rows > 0, qsl[req] * group + row_offset, 0)  # unused tiles gather row 0
     fields = jnp.stack(
         [req, q_row, num_rows, row_offset, q_pos0, kv_start, kv_end, jnp.zeros_like(req)], axis=1
     ).astype(jnp.int32)
