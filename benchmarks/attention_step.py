@@ -32,14 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.ops.attention_metadata import AttentionMetadata
+from decode_step import measure_floors as measure_jax_floors
 from jaxrunner.ops.attention_mgpu import (
     KernelConfig,
-    choose_config,
+    config_for,
     launch_kernel,
-    num_tiles_bound,
+    prepare_tiles,
     ragged_paged_attention_mgpu,
-    tile_major_queries,
-    tile_schedule,
 )
 from jaxrunner.ops.attention_reference import ragged_paged_attention_reference
 
@@ -69,26 +68,19 @@ def seconds(fn, *args, repeats: int = 20) -> float:
     return statistics.median(times) / inner
 
 
-def wall_seconds(fn, *args, repeats: int = 20) -> float:
-    """Median wall time of single calls: for the floors, whose calls run for milliseconds."""
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_floors() -> dict[str, float]:
-    """Copy bandwidth (bytes read + written) through JAX and torch, and the bf16 matmul rate."""
-    n = 1 << 30
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
-    floors = {"jax_copy_bytes_per_s": 4 * n / wall_seconds(jax.jit(lambda a: a * 2), x)}
-    del x
+    """Copy bandwidth (bytes read + written) through JAX and torch, and the bf16 matmul rate.
+
+    JAX's copy and the matmul are ``decode_step``'s; torch's device-to-device copy is
+    added where torch has CUDA, and the faster copy is the floor.
+    """
+    jax_floors = measure_jax_floors(1 << 30)
+    floors = {"jax_copy_bytes_per_s": jax_floors["copy_bytes_per_s"],
+              "matmul_flops_per_s": jax_floors["matmul_flops_per_s"]}
     try:
         import torch
 
+        n = 1 << 30
         src = torch.ones(n, dtype=torch.bfloat16, device="cuda")
         dst = torch.empty_like(src)
         dst.copy_(src)
@@ -108,10 +100,6 @@ def measure_floors() -> dict[str, float]:
     except Exception as exc:  # torch missing or without CUDA: JAX's copy is the floor
         floors["torch_copy_error"] = repr(exc)
     floors["copy_bytes_per_s"] = max(v for k, v in floors.items() if k.endswith("copy_bytes_per_s"))
-    m = 8192
-    a = jax.random.normal(jax.random.key(0), (m, m), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
-    floors["matmul_flops_per_s"] = 2 * m**3 / wall_seconds(jax.jit(lambda p, q: p @ q), a, b, repeats=10)
     return floors
 
 
@@ -152,16 +140,13 @@ def causal_flops(q_lens: list[int], seq_lens: list[int]) -> float:
 def kernel_only(q, k_cache, v_cache, metadata):
     """Our kernel without the wrapper's XLA ops (schedule, query gather, output gather, combine),
     to show how the time splits between them."""
-    num_tokens = q.shape[0]
-    num_reqs, max_blocks = metadata.block_tables.shape
-    group = NUM_Q_HEADS // NUM_KV_HEADS
-    config = choose_config(num_tokens, num_reqs, group, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, max_blocks, 2)
-    num_tiles = num_tiles_bound(num_tokens, num_reqs, group, config.tile_rows)
-    schedule = tile_schedule(metadata, group, config.tile_rows, num_tiles, None)
-    q_tiles = tile_major_queries(q, schedule, NUM_KV_HEADS, config.tile_rows)
+    config = config_for(q, k_cache, metadata)
+    schedule, q_tiles = prepare_tiles(q, NUM_KV_HEADS, metadata, config, sliding_window=None)
+
     def fn(q_tiles, fields, block_tables, k_cache, v_cache, **kwargs):
-        return launch_kernel(fields, block_tables, q_tiles, k_cache, v_cache, config=config, group=group,
-                             sm_scale=SM_SCALE, sliding_window=None, soft_cap=None, **kwargs)
+        return launch_kernel(fields, block_tables, q_tiles, k_cache, v_cache, config=config,
+                             group=NUM_Q_HEADS // NUM_KV_HEADS, sm_scale=SM_SCALE, sliding_window=None,
+                             soft_cap=None, **kwargs)
 
     return fn, (q_tiles, schedule.fields, metadata.block_tables, k_cache, v_cache)
 
@@ -272,9 +257,7 @@ def sweep_case(kind, batch, context) -> dict:
     q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens)
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=SM_SCALE))
     expected = ref(q, k_cache, v_cache, metadata).astype(jnp.float32)
-    num_reqs, max_blocks = metadata.block_tables.shape
-    base = choose_config(q.shape[0], num_reqs, NUM_Q_HEADS // NUM_KV_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                         max_blocks, 2)
+    base = config_for(q, k_cache, metadata)
     row = {"kind": kind, "batch": batch, "context": context, "configs": {}}
     for name, config in candidate_configs(base).items():
         entry = {"config": dataclasses.asdict(config)}

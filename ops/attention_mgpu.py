@@ -449,6 +449,37 @@ def choose_config(
     return KernelConfig(pages_per_stage=pages, num_stages=stages, num_compute_wgs=n_wg, num_kv_splits=splits)
 
 
+def config_for(
+    q: Float[Array, "num_tokens num_q_heads head_dim"],
+    k_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
+    metadata: AttentionMetadata,
+) -> KernelConfig:
+    """The tuning table's choice for this call's static shapes."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_reqs, max_blocks = metadata.block_tables.shape
+    return choose_config(
+        num_tokens, num_reqs, num_q_heads // num_kv_heads, num_kv_heads, head_dim, block_size, max_blocks,
+        q.dtype.itemsize,
+    )
+
+
+def prepare_tiles(
+    q: Float[Array, "num_tokens num_q_heads head_dim"],
+    num_kv_heads: int,
+    metadata: AttentionMetadata,
+    config: KernelConfig,
+    sliding_window: int | None,
+) -> tuple[TileSchedule, Float[Array, "num_kv_heads tile_rows_total head_dim"]]:
+    """The kernel's inputs besides the caches: the tile schedule and the tile-major queries."""
+    num_tokens, num_q_heads, _ = q.shape
+    group = num_q_heads // num_kv_heads
+    num_reqs = metadata.block_tables.shape[0]
+    num_tiles = num_tiles_bound(num_tokens, num_reqs, group, config.tile_rows)
+    schedule = tile_schedule(metadata, group, config.tile_rows, num_tiles, sliding_window)
+    return schedule, tile_major_queries(q, schedule, num_kv_heads, config.tile_rows)
+
+
 def tile_major_queries(
     q: Float[Array, "num_tokens num_q_heads head_dim"], schedule: TileSchedule, num_kv_heads: int, tile_rows: int
 ) -> Float[Array, "num_kv_heads tile_rows_total head_dim"]:
@@ -554,18 +585,11 @@ def ragged_paged_attention_mgpu(
     model calling it once per layer lowers (and compiles) the kernel once per shape.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    num_reqs, max_blocks = metadata.block_tables.shape
+    num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    if config is None:
-        config = choose_config(
-            num_tokens, num_reqs, group, num_kv_heads, head_dim, block_size, max_blocks, q.dtype.itemsize
-        )
+    config = config or config_for(q, k_cache, metadata)
     tile_rows = config.tile_rows
-    num_tiles = num_tiles_bound(num_tokens, num_reqs, group, tile_rows)
-    schedule = tile_schedule(metadata, group, tile_rows, num_tiles, sliding_window)
-
-    q_tiles = tile_major_queries(q, schedule, num_kv_heads, tile_rows)
+    schedule, q_tiles = prepare_tiles(q, num_kv_heads, metadata, config, sliding_window)
     results = launch_kernel(
         schedule.fields,
         metadata.block_tables.astype(jnp.int32),
