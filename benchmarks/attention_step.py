@@ -284,9 +284,11 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time the tuning table's neighbours instead")
     args = parser.parse_args()
     if args.sweep:
-        rows = [sweep_case(*case) for case in SWEEP_CASES]
-        with open(args.out, "w") as f:
-            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "sweep": rows}, f, indent=1)
+        rows = []
+        for case in SWEEP_CASES:  # written after each case, so a cut-short run keeps what it measured
+            rows.append(sweep_case(*case))
+            with open(args.out, "w") as f:
+                json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "sweep": rows}, f, indent=1)
         return
     floors = measure_floors()
     print(json.dumps(floors), flush=True)
