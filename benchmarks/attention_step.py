@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.ops.attention_metadata import AttentionMetadata
-from decode_step import measure_floors as measure_jax_floors
+from decode_step import measure_floors
 from jaxrunner.ops.attention_mgpu import (
     KernelConfig,
     config_for,
@@ -66,41 +66,6 @@ def seconds(fn, *args, repeats: int = 20) -> float:
         looped(*args).block_until_ready()
         times.append(time.perf_counter() - start)
     return statistics.median(times) / inner
-
-
-def measure_floors() -> dict[str, float]:
-    """Copy bandwidth (bytes read + written) through JAX and torch, and the bf16 matmul rate.
-
-    JAX's copy and the matmul are ``decode_step``'s; torch's device-to-device copy is
-    added where torch has CUDA, and the faster copy is the floor.
-    """
-    jax_floors = measure_jax_floors(1 << 30)
-    floors = {"jax_copy_bytes_per_s": jax_floors["copy_bytes_per_s"],
-              "matmul_flops_per_s": jax_floors["matmul_flops_per_s"]}
-    try:
-        import torch
-
-        n = 1 << 30
-        src = torch.ones(n, dtype=torch.bfloat16, device="cuda")
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(20):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            torch.cuda.synchronize()
-            ts.append(start.elapsed_time(end) / 1e3)
-        floors["torch_copy_bytes_per_s"] = 4 * n / statistics.median(ts)
-        del src, dst
-        torch.cuda.empty_cache()
-    except Exception as exc:  # torch missing or without CUDA: JAX's copy is the floor
-        floors["torch_copy_error"] = repr(exc)
-    floors["copy_bytes_per_s"] = max(v for k, v in floors.items() if k.endswith("copy_bytes_per_s"))
-    return floors
 
 
 def make_case(q_lens: list[int], seq_lens: list[int], seed: int = 0):
@@ -290,7 +255,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "sweep": rows}, f, indent=1)
         return
-    floors = measure_floors()
+    floors = measure_floors(1 << 30)
     print(json.dumps(floors), flush=True)
     rows = []
     for kind, batch, context in CASES:

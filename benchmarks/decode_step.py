@@ -3,8 +3,10 @@
 Measures, in one run: the copy bandwidth and bf16 matmul rate of the device
 (the floors), then the runner's full decode step (execute_model + sample_tokens,
 host work included) at each batch x context, with random bf16 weights and a
-randomly filled KV cache. The floor of a step is the bytes it must read, the
-weights plus every request's KV, over the measured copy bandwidth.
+randomly filled KV cache: pipelined as under async scheduling (the step time),
+and one step at a time (dispatch, wait for the tokens). The floor of a step is
+the bytes it must read, the weights plus every request's KV, over the measured
+copy bandwidth.
 
     python benchmarks/decode_step.py --out results.json
 """
@@ -45,7 +47,11 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def measure_floors(elements: int) -> dict[str, float]:
-    """Copy bandwidth (bytes read + written) and bf16 matmul rate, on random data."""
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, on random data.
+
+    The copy is JAX's jitted ``x * 2`` and, where torch has CUDA, torch's
+    device-to-device copy of as many bytes; the faster one is the floor.
+    """
     key = jax.random.key(0)
     x = jax.random.normal(key, (elements,), jnp.bfloat16)
     double = jax.jit(lambda a: a * 2)
@@ -56,7 +62,34 @@ def measure_floors(elements: int) -> dict[str, float]:
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     matmul = jax.jit(lambda p, q: p @ q)
     t_mm = median_seconds(lambda: matmul(a, b), 10)
-    return {"copy_bytes_per_s": 2 * 2 * elements / t_copy, "matmul_flops_per_s": 2 * n**3 / t_mm}
+    floors = {"jax_copy_bytes_per_s": 2 * 2 * elements / t_copy, "matmul_flops_per_s": 2 * n**3 / t_mm}
+    floors.update(torch_copy_bytes_per_s(elements))
+    floors["copy_bytes_per_s"] = max(v for k, v in floors.items() if k.endswith("copy_bytes_per_s"))
+    return floors
+
+
+def torch_copy_bytes_per_s(elements: int) -> dict[str, float | str]:
+    """torch's device-to-device copy rate of ``elements`` bf16 values (read + written), or why there is none."""
+    try:
+        import torch
+
+        src = torch.randn(elements, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        del src, dst
+        torch.cuda.empty_cache()
+        return {"torch_copy_bytes_per_s": 2 * 2 * elements / statistics.median(times)}
+    except Exception as exc:  # torch missing or without CUDA: JAX's copy is the floor
+        return {"torch_copy_error": repr(exc)}
 
 
 def fill_random(kv_caches):
@@ -68,11 +101,17 @@ def fill_random(kv_caches):
     return out
 
 
-def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng) -> list[float]:
-    """Seconds per decode step for ``batch`` requests at ``context`` tokens each."""
+def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, pipelined: bool) -> list[float]:
+    """Seconds per decode step for ``batch`` requests at ``context`` tokens each.
+
+    One step at a time (``pipelined`` False): dispatch, then wait for the tokens on
+    the host. Pipelined, as the engine runs with async scheduling: step k+1 is
+    dispatched before step k's tokens are read, and a step's time is the interval
+    between consecutive outputs.
+    """
     blocks_per_req = -(-(context + steps + 1) // runner.block_size)
     pool = rng.permutation(runner.num_blocks)
-    new_reqs, ids = [], [f"b{batch}c{context}r{i}" for i in range(batch)]
+    new_reqs, ids = [], [f"b{batch}c{context}p{int(pipelined)}r{i}" for i in range(batch)]
     for i, req_id in enumerate(ids):
         prompt = rng.integers(0, runner.vocab_size, context).tolist()
         blocks = pool[i * blocks_per_req : (i + 1) * blocks_per_req].tolist()
@@ -81,15 +120,22 @@ def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng) 
     one_each = {r: 1 for r in ids}
     first = SchedulerOutput(new_reqs, CachedRequestData(), dict(one_each), batch)
     runner.execute_model(first)
-    runner.sample_tokens(None)
+    in_flight = runner.sample_tokens(None)
     times = []
-    for step in range(steps):
-        cached = CachedRequestData(ids, [context + step] * batch, [None] * batch)
-        so = SchedulerOutput([], cached, dict(one_each), batch)
-        start = time.perf_counter()
-        runner.execute_model(so)
-        runner.sample_tokens(None)
-        times.append(time.perf_counter() - start)
+    last = time.perf_counter()
+    for step in range(steps + 1):
+        if not pipelined:
+            in_flight.get_output()
+        if step < steps:
+            cached = CachedRequestData(ids, [context + step] * batch, [None] * batch)
+            runner.execute_model(SchedulerOutput([], cached, dict(one_each), batch))
+            dispatched = runner.sample_tokens(None)
+        if pipelined:
+            in_flight.get_output()
+        now = time.perf_counter()
+        if step:
+            times.append(now - last)
+        last, in_flight = now, dispatched
     runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(ids)))
     return times
 
@@ -101,7 +147,8 @@ def build_runner(shape: str, batches: list[int], max_context: int, steps: int) -
     config = RunnerConfig(
         model_config=ModelConfig(dtype="bfloat16", max_model_len=max_model_len),
         cache_config=CacheConfig(num_gpu_blocks_override=max_batch * (-(-max_model_len // 16)) + 16),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_batch),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_batch,
+                                         async_scheduling=True),
         compilation_config=CompilationConfig(token_buckets=sorted(set(batches)),
                                              request_buckets=sorted(set(batches))),
     )
@@ -134,12 +181,12 @@ def main() -> None:
     rows = []
     for batch in args.batches:
         for context in args.contexts:
-            times = time_decode(runner, batch, context, args.steps, rng)
-            step = statistics.median(times[3:])
+            one_at_a_time = statistics.median(time_decode(runner, batch, context, args.steps, rng, False)[3:])
+            step = statistics.median(time_decode(runner, batch, context, args.steps, rng, True)[3:])
             kv_bytes = batch * (context + 1) * runner.kv_cache_spec.bytes_per_block / runner.block_size
             floor = (weight_bytes + kv_bytes) / floors["copy_bytes_per_s"]
             rows.append(dict(batch=batch, context=context, step_ms=step * 1e3, floor_ms=floor * 1e3,
-                             ratio=step / floor, tokens_per_s=batch / step))
+                             ratio=step / floor, tokens_per_s=batch / step, one_at_a_time_ms=one_at_a_time * 1e3))
     result = dict(device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                   weight_gb=weight_bytes / 1e9, load_s=load_s, precompile_s=compile_s,
                   programs=runner.num_compiled_programs, **floors, rows=rows)
@@ -148,10 +195,10 @@ def main() -> None:
     print(f"device {device.device_kind}, jax {jax.__version__}, weights {weight_bytes / 1e9:.2f} GB, "
           f"load {load_s:.0f} s, precompile {compile_s:.0f} s ({runner.num_compiled_programs} programs)")
     print(f"copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {floors['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
-    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'ratio':>6} {'tok/s':>8}")
+    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'ratio':>6} {'tok/s':>8} {'1-at-a-time ms':>14}")
     for r in rows:
         print(f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
-              f"{r['ratio']:>6.2f} {r['tokens_per_s']:>8.0f}")
+              f"{r['ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['one_at_a_time_ms']:>14.2f}")
 
 
 if __name__ == "__main__":

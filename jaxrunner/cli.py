@@ -19,6 +19,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for name, kind in _ENGINE_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="process each step's tokens before scheduling the next")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="turn on n-gram speculative decoding with this many drafts per step")
     parser.add_argument("--token-buckets", type=int, nargs="+", default=None)
@@ -32,7 +34,8 @@ def _make_llm(args: argparse.Namespace):
     kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if args.num_speculative_tokens:
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    return LLM(args.model, enable_prefix_caching=not args.no_prefix_caching, **kwargs)
+    return LLM(args.model, enable_prefix_caching=not args.no_prefix_caching,
+               async_scheduling=not args.no_async_scheduling, **kwargs)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -91,6 +94,8 @@ def _bench(args: argparse.Namespace) -> None:
     ttft = [o.metrics.time_to_first_token for o in outputs if o.metrics and o.metrics.time_to_first_token]
     tpot = [o.metrics.time_per_output_token for o in outputs if o.metrics and o.metrics.time_per_output_token]
     manager = llm.kv_cache_manager
+    step_times = llm.llm_engine.step_times
+    steps = max(step_times.num_steps, 1)
     result = {
         "model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "range_ratio": args.range_ratio, "elapsed_s": elapsed,
@@ -100,6 +105,9 @@ def _bench(args: argparse.Namespace) -> None:
         "num_preemptions": llm.llm_engine.scheduler.num_preemptions,
         "prefix_cache_hit_rate": manager.stats.hit_rate,
         "kv_cache_blocks": manager.num_usable_blocks,
+        "num_steps": step_times.num_steps,
+        "host_ms_per_step": step_times.host_s / steps * 1e3,
+        "device_wait_ms_per_step": step_times.wait_s / steps * 1e3,
     }
     spec = llm.llm_engine.scheduler.spec_stats
     if spec.num_steps:
@@ -109,6 +117,8 @@ def _bench(args: argparse.Namespace) -> None:
               + ", ".join(f"{r:.2f}" for r in spec.acceptance_rate_per_position))
     print(f"{len(outputs)} requests in {elapsed:.1f} s: {result['requests_per_s']:.2f} req/s, "
           f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s")
+    print(f"{step_times.num_steps} steps: host {result['host_ms_per_step']:.2f} ms, waiting for the device "
+          f"{result['device_wait_ms_per_step']:.2f} ms a step")
     for name in ("ttft_ms", "tpot_ms"):
         print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in result[name].items()))
     if args.output_json:

@@ -72,11 +72,20 @@ class CacheConfig:
 
 @dataclasses.dataclass
 class SchedulerConfig:
-    """Batch limits per step (vLLM's dataclass defaults); long prompts are chunked across steps."""
+    """Batch limits per step (vLLM's dataclass defaults); long prompts are chunked across steps.
+
+    ``async_scheduling`` (vLLM's name) schedules and dispatches step k+1 before
+    step k's sampled tokens reach the host, so host work overlaps device work:
+    the runner's ``sample_tokens`` then returns an ``AsyncModelRunnerOutput``.
+    Off here, as in vLLM, so a runner driven by hand answers plainly; ``LLM``
+    turns it on. The engine falls back to one step at a time while a request
+    needs its tokens first (speculative decoding, structured outputs).
+    """
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

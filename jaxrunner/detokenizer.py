@@ -8,7 +8,9 @@ the window's text ends in U+FFFD, the last character is an incomplete UTF-8
 sequence (a byte-level token split it) and nothing is emitted until a later
 token completes it. When the sequence finishes, whatever is still held back is
 added as decoded, so the final text is the full decode of the output tokens
-(in the prompt's context).
+(in the prompt's context). Without stop strings nothing needs the text until it
+is read, so tokens are only collected and decoded when ``output_text`` is read
+(at most once a step while streaming, once in all for a final-only output).
 """
 
 from collections.abc import Sequence
@@ -42,7 +44,7 @@ class IncrementalDetokenizer:
         # Streaming holds back this many chars: a stop string may be starting there and would be cut.
         excluded = self.stop and not include_stop_str_in_output
         self.stop_buffer_length = max(map(len, self.stop)) - 1 if excluded else 0
-        self.output_text = ""
+        self._text = ""
         self._streamed = 0  # chars of output_text already returned by get_next_output_text
         # The window: prefix tokens are window[:_read], unemitted ones window[_read:].
         self._window = [int(t) for t in prompt_token_ids[-_PROMPT_CONTEXT:]]
@@ -70,9 +72,18 @@ class IncrementalDetokenizer:
         if not new_token_ids and not finished:
             return None
         self._window.extend(int(t) for t in new_token_ids)
+        if not self.stop and not finished:
+            return None  # decoded when the text is read
         new_text = self._emit(finished)
-        self.output_text += new_text
+        self._text += new_text
         return self._check_stop(len(new_text))
+
+    @property
+    def output_text(self) -> str:
+        """The text so far: the output tokens decoded, less any incomplete last character."""
+        if len(self._window) > self._read:
+            self._text += self._emit(False)
+        return self._text
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to stream: new since the last call if ``delta``, else all of it.
@@ -104,7 +115,7 @@ class IncrementalDetokenizer:
         """Finds a stop string overlapping the last ``new_chars`` chars and cuts the text there."""
         if not self.stop or not new_chars:
             return None
-        text = self.output_text
+        text = self._text
         found: tuple[int, str] | None = None
         for stop in self.stop:
             index = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
@@ -113,7 +124,7 @@ class IncrementalDetokenizer:
         if found is None:
             return None
         index, stop = found
-        self.output_text = text[: index + len(stop) if self.include_stop_str_in_output else index]
+        self._text = text[: index + len(stop) if self.include_stop_str_in_output else index]
         return stop
 
     def _decode(self, token_ids: list[int]) -> str:

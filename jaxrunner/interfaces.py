@@ -7,7 +7,9 @@ validates itself, so a bad value fails at the request, not inside a step.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import enum
 from typing import Any
 
 import numpy as np
@@ -210,3 +212,20 @@ class ModelRunnerOutput:
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:
         return cls(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+class AsyncModelRunnerOutput(abc.ABC):
+    """A step's output whose copy to the host may still be in flight (async scheduling)."""
+
+    @abc.abstractmethod
+    def get_output(self) -> ModelRunnerOutput:
+        """Wait for the step's results and return them."""
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a step returns, as vLLM's: the whole text so far, only what is
+    new since the last output (streaming), or only finished requests."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2

@@ -20,7 +20,7 @@ from jaxrunner.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from jaxrunner.interfaces import SamplingParams
+from jaxrunner.interfaces import RequestOutputKind, SamplingParams
 from jaxrunner.kv_cache_manager import KVCacheManager
 from jaxrunner.llm_engine import LLMEngine
 from jaxrunner.model_runner import ModelRunner
@@ -58,7 +58,9 @@ class LLM:
     engine: ``dtype`` ("auto" takes the checkpoint's), ``max_model_len``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
     ``gpu_memory_utilization``, ``num_gpu_blocks_override``,
-    ``enable_prefix_caching``, ``enable_chunked_prefill``, ``token_buckets``,
+    ``enable_prefix_caching``, ``enable_chunked_prefill``, ``async_scheduling``
+    (on: step k+1 is scheduled and dispatched while step k's tokens are on their
+    way to the host), ``token_buckets``,
     ``request_buckets``, ``compilation_cache_dir``, ``max_logprobs``,
     ``logprobs_mode`` (vLLM's: raw_logprobs, raw_logits, processed_logprobs,
     processed_logits), ``speculative_config`` (e.g. ``{"method": "ngram",
@@ -78,6 +80,7 @@ class LLM:
         num_gpu_blocks_override: int | None = None,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        async_scheduling: bool = True,
         token_buckets: list[int] | None = None,
         request_buckets: list[int] | None = None,
         compilation_cache_dir: str | None = None,
@@ -115,6 +118,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
+                async_scheduling=async_scheduling,
             ),
             compilation_config=compilation,
             sampler_config=SamplerConfig(max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),
@@ -176,7 +180,7 @@ class LLM:
         pending = len(ids) - len(finished)
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, initial=len(finished)) as bar:
             while pending:
-                for output in self.llm_engine.step():
+                for output in self.llm_engine.step(RequestOutputKind.FINAL_ONLY):
                     if output.finished:
                         finished[output.request_id] = output
                         pending -= 1
@@ -193,7 +197,7 @@ class LLM:
         yield from refused.values()
         pending = len(ids) - len(refused)
         while pending:
-            for output in self.llm_engine.step(delta=True):
+            for output in self.llm_engine.step(RequestOutputKind.DELTA):
                 pending -= output.finished
                 yield output
 

@@ -14,13 +14,30 @@ import time
 from collections.abc import Sequence
 
 from jaxrunner.detokenizer import IncrementalDetokenizer
-from jaxrunner.interfaces import ModelRunnerOutput, SamplingParams
+from jaxrunner.interfaces import (
+    AsyncModelRunnerOutput,
+    ModelRunnerOutput,
+    RequestOutputKind,
+    SamplingParams,
+    SchedulerOutput,
+)
 from jaxrunner.model_runner import ModelRunner
 from jaxrunner.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxrunner.request import Request, RequestStatus
 from jaxrunner.scheduler import Scheduler
 from jaxrunner.spec_decode.ngram_proposer import NgramProposer
 from jaxrunner.structured_outputs import StructuredOutputManager
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """Where the engine's steps spent their wall time: host work, or waiting for the device."""
+
+    num_steps: int = 0
+    host_s: float = 0.0
+    """In ``step()`` and not blocked on the device: scheduling, dispatch, output handling."""
+    wait_s: float = 0.0
+    """Blocked until a step's sampled tokens reached the host."""
 
 
 @dataclasses.dataclass
@@ -70,6 +87,9 @@ class LLMEngine:
         self._prompts: dict[str, _Prompt] = {}
         self._child_to_prompt: dict[str, _Prompt] = {}
         self._ids = itertools.count()
+        # A dispatched step whose tokens are not processed yet (async scheduling).
+        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        self.step_times = StepTimes()
 
     # ------------------------------------------------------------- requests
 
@@ -211,21 +231,65 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- step
 
-    def step(self, delta: bool = False) -> list[RequestOutput]:
+    def step(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> list[RequestOutput]:
         """One scheduler + runner step; outputs of the prompts that advanced or finished.
 
-        With ``delta`` each output's text is only what is new since the last one
-        (for streaming); otherwise it is the whole text so far.
+        ``output_kind`` DELTA gives each output only the text and tokens new since
+        the last one (streaming), FINAL_ONLY only finished prompts' outputs (no
+        text is built for the others), CUMULATIVE the whole text so far.
+
+        With async scheduling the step schedules and dispatches step k+1, then
+        processes step k's tokens while the device runs k+1, so the outputs it
+        returns are one step behind the dispatch. It falls back to one step at a
+        time while a request needs its last tokens before it can be scheduled
+        (speculative drafts, a grammar's next bitmask).
         """
+        start, wait_before = time.perf_counter(), self.runner.device_wait_s
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and not self._can_overlap():
+            outputs += self._process(*self._in_flight, output_kind)
+            self._in_flight = None
         scheduler_output = self.scheduler.schedule()
+        runner_output = self._dispatch(scheduler_output)
+        if self._in_flight is not None:
+            outputs += self._process(*self._in_flight, output_kind)
+            self._in_flight = None
+        if isinstance(runner_output, AsyncModelRunnerOutput) and self._can_overlap():
+            self._in_flight = (scheduler_output, runner_output)
+        else:
+            outputs += self._process(scheduler_output, runner_output, output_kind)
+        waited = self.runner.device_wait_s - wait_before
+        times = self.step_times
+        times.num_steps += 1
+        times.wait_s += waited
+        times.host_s += time.perf_counter() - start - waited
+        return outputs
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the last one's tokens are known."""
+        if not self.runner.use_async_scheduling:
+            return False
+        return self.structured_outputs is None or not self.structured_outputs.num_requests
+
+    def _dispatch(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Run the runner's step: execute_model, then sample_tokens when anything was scheduled."""
         runner_output = self.runner.execute_model(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens > 0:
             grammar = None
             if self.structured_outputs is not None:
                 grammar = self.structured_outputs.grammar_output(list(scheduler_output.num_scheduled_tokens))
-            runner_output = self.runner.sample_tokens(grammar)
-        elif runner_output is None:
-            runner_output = ModelRunnerOutput.make_empty()
+            return self.runner.sample_tokens(grammar)
+        return runner_output if runner_output is not None else ModelRunnerOutput.make_empty()
+
+    def _process(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput | AsyncModelRunnerOutput,
+        output_kind: RequestOutputKind,
+    ) -> list[RequestOutput]:
+        """Apply one step's tokens: scheduler update, logprobs, grammars, text and stop strings."""
+        if isinstance(runner_output, AsyncModelRunnerOutput):
+            runner_output = runner_output.get_output()
         touched: dict[str, _Prompt] = {}
         self._record_prompt_logprobs(runner_output)
         logprob_rows = self._logprob_rows(runner_output)
@@ -235,21 +299,21 @@ class LLMEngine:
             if seq.logprobs is not None:
                 self._record_logprobs(seq, runner_output, logprob_rows[request.request_id][: len(new_tokens)])
             grammar_done = self._advance_grammar(request, new_tokens)
-            stop_str = None
             if seq.detokenizer is not None:
                 # A stop token id (or EOS) ends the text without its own text, as in vLLM.
                 by_token = request.status == RequestStatus.FINISHED_STOPPED and not grammar_done
-                stop_str = seq.detokenizer.update(
-                    new_tokens, finished=request.is_finished, stop_terminated=by_token
-                )
-            if stop_str is not None:
-                self._stop_on_string(request, stop_str)
+                stop_str = seq.detokenizer.update(new_tokens, finished=request.is_finished, stop_terminated=by_token)
+                if stop_str is not None:
+                    self._stop_on_string(request, stop_str)
             touched[entry.request_id] = entry
         if self.num_spec:
             self._propose_drafts()
-        outputs = [self._make_output(entry, delta) for entry in touched.values()]
+        outputs = []
         for entry in touched.values():
-            if entry.finished:
+            finished = entry.finished
+            if finished or output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(entry, output_kind == RequestOutputKind.DELTA))
+            if finished:
                 self._release(entry)
         return outputs
 

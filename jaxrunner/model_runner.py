@@ -32,7 +32,14 @@ from jaxrunner.input_batch import (
     StepShape,
     pack_step_buffer,
 )
-from jaxrunner.interfaces import GrammarOutput, LogprobsLists, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from jaxrunner.interfaces import (
+    AsyncModelRunnerOutput,
+    GrammarOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
 from jaxrunner.kv_cache import (
     KVCacheSpec,
     KVCaches,
@@ -81,6 +88,8 @@ class ModelRunner:
         self.execute_model_state: tuple[InputBatch, jax.Array, SampleRows, jax.Array] | None = None
         # Requests that asked for prompt logprobs: their prompt and top count.
         self._prompt_logprob_requests: dict[str, tuple[np.ndarray, int]] = {}
+        # Seconds the host has spent blocked until sampled tokens arrived.
+        self.device_wait_s = 0.0
 
     # ------------------------------------------------------------------ set-up
 
@@ -101,6 +110,7 @@ class ModelRunner:
         self.max_model_len = self.model_config.max_model_len or self.model_arch.max_position_embeddings
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self._graphdef, self.params = nnx.split(model)
+        self._param_leaves, self._params_treedef = jax.tree.flatten(self.params)
         cache_dtype = self.cache_config.cache_dtype
         kv_dtype = model.dtype if cache_dtype == "auto" else jnp.dtype(cache_dtype)
         self.kv_cache_spec = KVCacheSpec(
@@ -128,6 +138,7 @@ class ModelRunner:
             head = draft_model or load_eagle_head(self._draft_model_name(), dtype=self.model_config.dtype)
             self.drafter = EagleDrafter.from_head(head, self.block_size, kv_dtype, self.model_arch.hidden_size)
         self.draft_params = None if self.drafter is None else self.drafter.params
+        self._draft_leaves, self._draft_params_treedef = jax.tree.flatten(self.draft_params)
         self.draft_kv_caches: KVCaches = []
         self._build_programs()
         logger.info("Model loaded in %.1f s", time.perf_counter() - start)
@@ -207,7 +218,8 @@ class ModelRunner:
 
     def _build_programs(self) -> None:
         statics = StepStatics(
-            graphdef=self._graphdef, drafter=self.drafter, block_size=self.block_size,
+            graphdef=self._graphdef, params_treedef=self._params_treedef,
+            draft_params_treedef=self._draft_params_treedef, drafter=self.drafter, block_size=self.block_size,
             max_num_reqs=self.max_num_reqs, num_spec=self.num_spec, sampler_config=self.config.sampler_config,
         )
         forward = functools.partial(step_functions.forward, statics)
@@ -228,7 +240,7 @@ class ModelRunner:
         )
         rows_spec = SampleRows.abstract(self.max_num_reqs, self.num_spec)
         self._sample_lower = lambda b, num_blocks: sample_jit.lower(
-            self._abstract(self.params), self._abstract(self.draft_params),
+            self._abstract(self._param_leaves), self._abstract(self._draft_leaves),
             self._abstract_draft_kv(num_blocks), hidden_spec, rows_spec, self._abstract(self.device_state),
             jax.ShapeDtypeStruct((b, words), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
             num_rows=b,
@@ -238,7 +250,7 @@ class ModelRunner:
         self._prompt_logprob_programs = CompiledPrograms(
             "prompt_logprobs",
             lambda b: prompt_logprobs_jit.lower(
-                self._abstract(self.params),
+                self._abstract(self._param_leaves),
                 jax.ShapeDtypeStruct((b, self.model_arch.hidden_size), self.model.dtype),
                 jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
             ),
@@ -264,8 +276,8 @@ class ModelRunner:
             functools.partial(self._forward_fn, shape=shape), donate_argnums=(2, 3, 4)
         )
         return forward_jit.lower(
-            self._abstract(self.params),
-            self._abstract(self.draft_params),
+            self._abstract(self._param_leaves),
+            self._abstract(self._draft_leaves),
             self.kv_cache_spec.abstract(num_blocks),
             self._abstract_draft_kv(num_blocks),
             self._abstract(self.device_state),
@@ -372,13 +384,29 @@ class ModelRunner:
         batch, buffer = self.prepare_inputs(scheduler_output)
         program = self._forward_programs.get(batch.num_tokens_after_padding)
         self.kv_caches, self.draft_kv_caches, self.device_state, sample_hidden, rows, hidden = program(
-            self.params, self.draft_params, self.kv_caches, self.draft_kv_caches, self.device_state, buffer
+            self._param_leaves, self._draft_leaves, self.kv_caches, self.draft_kv_caches, self.device_state, buffer
         )
         self.execute_model_state = (batch, sample_hidden, rows, hidden)
         return None
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
-        """Sample the step dispatched by ``execute_model`` and return its output."""
+    @property
+    def use_async_scheduling(self) -> bool:
+        """Whether ``sample_tokens`` returns before the tokens reach the host.
+
+        Verification of drafts needs the accepted counts on the host before the
+        next step, so speculative decoding always runs one step at a time.
+        """
+        return self.config.scheduler_config.async_scheduling and self.num_spec == 0
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Sample the step dispatched by ``execute_model``.
+
+        Returns its ``ModelRunnerOutput``, or with async scheduling an
+        ``AsyncModelRunnerOutput`` whose device-to-host copy is under way: the
+        next step can be dispatched before ``get_output()`` waits for it.
+        """
         if self.execute_model_state is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model().")
         batch, sample_hidden, rows, hidden = self.execute_model_state
@@ -387,23 +415,27 @@ class ModelRunner:
         bitmask, active = self._grammar_rows(batch, grammar_output)
         program = self._sample_programs.get(bucket)
         self.draft_kv_caches, self.device_state, tokens, logprobs = program(
-            self.params, self.draft_params, self.draft_kv_caches, sample_hidden, rows, self.device_state,
+            self._param_leaves, self._draft_leaves, self.draft_kv_caches, sample_hidden, rows, self.device_state,
             bitmask, active,
         )
-        prompt_logprobs = self._prompt_logprobs_of(batch, hidden)
-        tokens_np = np.asarray(tokens)[: batch.num_reqs]
-        sampled = [
-            [int(t) for t in row if t >= 0] if s else [] for row, s in zip(tokens_np, batch.is_sampling_np)
-        ]
-        rejected = [batch.num_drafts[i] - (len(t) - 1) if t else 0 for i, t in enumerate(sampled)]
-        self.req_states.num_computed_tokens[batch.idx_mapping_np] += batch.num_scheduled_tokens - rejected
-        return ModelRunnerOutput(
-            req_ids=batch.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
-            sampled_token_ids=sampled,
-            logprobs=None if logprobs is None else self._logprobs_lists(batch, logprobs),
-            prompt_logprobs_dict=prompt_logprobs,
+        wants_logprobs = bool(np.any((self.req_states.num_logprobs[batch.idx_mapping_np] > 0) & batch.is_sampling_np))
+        pending = _PendingOutput(
+            self, batch, tokens, logprobs if wants_logprobs else None, self._prompt_logprobs_of(batch, hidden)
         )
+        if self.use_async_scheduling:
+            self._advance_computed(batch, None)
+            return pending
+        output = pending.get_output()
+        self._advance_computed(batch, output.sampled_token_ids)
+        return output
+
+    def _advance_computed(self, batch: InputBatch, sampled: list[list[int]] | None) -> None:
+        """The host's num_computed_tokens: the scheduled tokens, less the rejected drafts."""
+        advance = batch.num_scheduled_tokens
+        if sampled is not None and batch.num_drafts.any():
+            rejected = [d - (len(t) - 1) if t else 0 for d, t in zip(batch.num_drafts, sampled)]
+            advance = advance - np.asarray(rejected, np.int32)
+        self.req_states.num_computed_tokens[batch.idx_mapping_np] += advance
 
     def _grammar_rows(self, batch: InputBatch, grammar_output: GrammarOutput | None):
         """The grammar bitmask in batch row order (a resident all-off pair when unused)."""
@@ -418,19 +450,6 @@ class ModelRunner:
                 bitmask[row_of[req_id], : len(words)] = words
                 active[row_of[req_id]] = True
         return bitmask, active
-
-    def _logprobs_lists(self, batch: InputBatch, tensors: LogprobsTensors) -> LogprobsLists | None:
-        """Sample logprobs of the rows that sampled, when any request in the batch asked."""
-        wants = self.req_states.num_logprobs[batch.idx_mapping_np] > 0
-        if not np.any(wants & batch.is_sampling_np):
-            return None
-        keep = np.flatnonzero(batch.is_sampling_np)
-        return LogprobsLists(
-            logprob_token_ids=np.asarray(tensors.token_ids)[keep],
-            logprobs=np.asarray(tensors.logprobs)[keep],
-            sampled_token_ranks=np.asarray(tensors.ranks)[keep],
-            cu_num_generated_tokens=np.concatenate([[0], np.cumsum(batch.is_sampling_np)]).tolist(),
-        )
 
     def _prompt_logprobs_of(self, batch: InputBatch, hidden: jax.Array) -> dict[str, tuple[int, LogprobsLists]]:
         """Raw logprobs of the prompt tokens this step's chunks predict, per asking request.
@@ -456,7 +475,7 @@ class ModelRunner:
         for _, start, first, end, prompt, k in spans:
             targets[start : start + end - first] = prompt[first + 1 : end + 1]
             counts[start : start + end - first] = k + 1
-        out = self._prompt_logprob_programs.get(size)(self.params, hidden, targets, counts)
+        out = self._prompt_logprob_programs.get(size)(self._param_leaves, hidden, targets, counts)
         ids, lps, ranks = (np.asarray(a) for a in (out.token_ids, out.logprobs, out.ranks))
         result = {}
         for req_id, start, first, end, _, k in spans:
@@ -468,3 +487,44 @@ class ModelRunner:
         """Raise ValueError if the runner cannot hold these parameters (capacities, token ids)."""
         pack_sampling_params(params, random.Random(0), self.config.sampler_config, self.vocab_size)
         check_logprobs_count("prompt_logprobs", params.prompt_logprobs, self.config.sampler_config)
+
+
+class _PendingOutput(AsyncModelRunnerOutput):
+    """A dispatched step's output: device arrays whose copy to the host has started."""
+
+    def __init__(
+        self, runner: ModelRunner, batch: InputBatch, tokens: jax.Array, logprobs: LogprobsTensors | None,
+        prompt_logprobs: dict[str, tuple[int, LogprobsLists]],
+    ):
+        self.runner = runner
+        self.batch = batch
+        self.tokens = tokens
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+        for array in [tokens, *([] if logprobs is None else jax.tree.leaves(logprobs))]:
+            array.copy_to_host_async()
+
+    def get_output(self) -> ModelRunnerOutput:
+        batch = self.batch
+        start = time.perf_counter()
+        self.tokens.block_until_ready()
+        self.runner.device_wait_s += time.perf_counter() - start
+        rows = np.asarray(self.tokens)[: batch.num_reqs].tolist()
+        sampled = [[t for t in row if t >= 0] if s else [] for row, s in zip(rows, batch.is_sampling_np)]
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None if self.logprobs is None else self._logprobs_lists(),
+            prompt_logprobs_dict=self.prompt_logprobs,
+        )
+
+    def _logprobs_lists(self) -> LogprobsLists:
+        """Sample logprobs of the rows that sampled."""
+        keep = np.flatnonzero(self.batch.is_sampling_np)
+        return LogprobsLists(
+            logprob_token_ids=np.asarray(self.logprobs.token_ids)[keep],
+            logprobs=np.asarray(self.logprobs.logprobs)[keep],
+            sampled_token_ranks=np.asarray(self.logprobs.ranks)[keep],
+            cu_num_generated_tokens=np.concatenate([[0], np.cumsum(self.batch.is_sampling_np)]).tolist(),
+        )

@@ -19,14 +19,15 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH_CAPPED,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self in _FINISHED
 
 
-@dataclasses.dataclass
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED}
+)
+
+
+@dataclasses.dataclass(eq=False)
 class Request:
     """One sequence to generate. ``n > 1`` prompts become several of these."""
 
@@ -43,20 +44,32 @@ class Request:
     num_preemptions: int = 0
     # Draft tokens proposed for the next step (speculative decoding).
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # Tokens sampled by steps already dispatched whose outputs have not come back
+    # (async scheduling): the positions are scheduled, the ids not known yet.
+    num_output_placeholders: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
 
+    def __post_init__(self) -> None:
+        # Prompt then outputs, kept as one list: the block hashes read it every step.
+        self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._all_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt and output token ids; the engine's own list: do not modify it."""
+        return self._all_token_ids
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:

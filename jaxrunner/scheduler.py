@@ -117,7 +117,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            remaining = request.num_tokens - request.num_computed_tokens
+            if request.num_output_placeholders and self._at_length_limit(request):
+                index += 1  # its last token is already being sampled
+                continue
+            remaining = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             num_new = min(remaining + len(request.spec_token_ids), budget)
             if not self.config.enable_chunked_prefill and num_new < remaining:
                 break
@@ -171,7 +174,7 @@ class Scheduler:
                 NewRequestData(
                     req_id=request.request_id,
                     prompt_token_ids=request.prompt_token_ids,
-                    prefill_token_ids=tokens,
+                    prefill_token_ids=list(tokens),
                     sampling_params=request.sampling_params,
                     block_ids=(self.kv_cache_manager.get_block_ids(request.request_id),),
                     num_computed_tokens=num_computed,
@@ -181,7 +184,10 @@ class Scheduler:
             budget -= num_new
 
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
         self.num_scheduled_tokens_total += sum(num_scheduled.values())
         finished, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(
@@ -197,9 +203,20 @@ class Scheduler:
     def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
         """Lookahead slots only once the prefill completes, so no partial block is hashed early."""
         computed = request.num_computed_tokens if num_computed is None else num_computed
-        return self.num_lookahead_tokens if computed + num_new >= request.num_tokens else 0
+        end = request.num_tokens + request.num_output_placeholders
+        return self.num_lookahead_tokens if computed + num_new >= end else 0
+
+    def _at_length_limit(self, request: Request) -> bool:
+        """Whether the tokens being sampled already take the request to max_tokens or max_model_len."""
+        pending = request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens:
+            return True
+        return request.num_tokens + pending >= self.max_model_len
 
     def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and queue it first; a token it is still sampling is kept
+        when it arrives (``update_from_output``), before the request can be resumed."""
         self.kv_cache_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -213,13 +230,19 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[tuple[Request, list[int]]]:
-        """Append sampled tokens, apply the stop conditions; returns (request, new tokens) pairs."""
+        """Append sampled tokens, apply the stop conditions; returns (request, new tokens) pairs.
+
+        Under async scheduling the output may come after the request was scheduled
+        again (its next step reads the token on the device) or preempted; a request
+        that finished meanwhile is gone from ``requests`` and its token is dropped.
+        """
         updates = []
         now = time.monotonic()
         for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
-            if request is None or not sampled or request.status != RequestStatus.RUNNING:
+            if request is None or not sampled:
                 continue
+            request.num_output_placeholders -= 1
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
             request.spec_token_ids = []
             if drafts:
@@ -228,12 +251,11 @@ class Scheduler:
                 self.spec_stats.record(len(drafts), len(sampled) - 1)
             new_tokens = []
             for token in sampled:
-                request.output_token_ids.append(token)
+                request.append_output_token_ids(token)
                 new_tokens.append(token)
                 status = self._check_stop(request, token)
                 if status is not None:
-                    self.running.remove(request)
-                    self._finish(request, status)
+                    self.finish_requests([req_id], status)
                     break
             if request.first_token_time is None:
                 request.first_token_time = now

@@ -23,19 +23,32 @@ from jaxrunner.spec_decode.rejection_sampler import rejection_sample
 
 @dataclasses.dataclass(frozen=True)
 class StepStatics:
-    """What the step functions need that is not an array."""
+    """What the step functions need that is not an array.
+
+    Parameters travel as flat lists of leaves: a call then flattens a list, not
+    the model's tree of NNX variables (about 0.5 ms a call for 32 layers).
+    """
 
     graphdef: nnx.GraphDef
+    params_treedef: Any
+    draft_params_treedef: Any
     drafter: Any | None  # a DraftModel or EagleDrafter: proposes drafts on the device
     block_size: int
     max_num_reqs: int
     num_spec: int
     sampler_config: SamplerConfig
 
+    def model(self, param_leaves: list) -> nnx.Module:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.params_treedef, param_leaves))
+
+    def draft_params(self, draft_leaves: list) -> Any:
+        return jax.tree.unflatten(self.draft_params_treedef, draft_leaves)
+
 
 def forward(statics: StepStatics, params, draft_params, kv_caches, draft_kv, state, step_buffer, *, shape: StepShape):
     """Input preparation, the model (and the drafter's pass), and the hidden rows to sample."""
-    model = nnx.merge(statics.graphdef, params)
+    model = statics.model(params)
+    draft_params = statics.draft_params(draft_params)
     state, input_ids, positions, metadata, rows, row_index = prepare_inputs(
         state, step_buffer, shape, statics.block_size
     )
@@ -53,7 +66,8 @@ def sample_step(
     grammar_bitmask, grammar_active, *, num_rows: int,
 ):
     """Logits, sampling (or verification of drafts), the post-update, and the next drafts."""
-    model = nnx.merge(statics.graphdef, params)
+    model = statics.model(params)
+    draft_params = statics.draft_params(draft_params)
     config = statics.sampler_config
     head = jax.tree.map(lambda a: a[:num_rows], rows)
     if statics.num_spec == 0:
@@ -106,7 +120,7 @@ def _propose_on_device(statics: StepStatics, model, draft_params, draft_kv, stat
 
 def prompt_logprobs(statics: StepStatics, params, hidden, targets, num_logprobs):
     """Raw logprobs of each next prompt token, in row chunks to bound the logits' memory."""
-    model = nnx.merge(statics.graphdef, params)
+    model = statics.model(params)
     chunk = min(hidden.shape[0], 256)
     pad = -hidden.shape[0] % chunk
     split = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])

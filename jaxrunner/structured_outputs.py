@@ -146,6 +146,11 @@ class StructuredOutputManager:
             self._compiled.move_to_end(grammar)
         self._matchers[req_id] = template.deep_copy()
 
+    @property
+    def num_requests(self) -> int:
+        """How many requests are constrained now."""
+        return len(self._matchers)
+
     def has(self, req_id: str) -> bool:
         """Whether ``req_id`` is constrained."""
         return req_id in self._matchers

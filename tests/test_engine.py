@@ -1,5 +1,6 @@
 """The engine through ``LLM``: scheduling invariants, stop conditions, bad input, HF parity."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -54,7 +55,8 @@ PROMPTS = token_prompts(0, [5, 70, 33, 16, 1, 48, 90, 12, 27, 64])
 
 
 def test_greedy_outputs_identical_across_caching_chunking_and_preemption(make_llm):
-    baseline = greedy_tokens(make_llm(enable_prefix_caching=False), PROMPTS)
+    # One step at a time; every other engine here schedules asynchronously.
+    baseline = greedy_tokens(make_llm(enable_prefix_caching=False, async_scheduling=False), PROMPTS)
     assert greedy_tokens(make_llm(), PROMPTS + PROMPTS[:3])[: len(PROMPTS)] == baseline
     # No chunking: the budget must hold the longest prompt whole.
     unchunked = make_llm(enable_chunked_prefill=False, max_num_batched_tokens=128,
@@ -64,6 +66,56 @@ def test_greedy_outputs_identical_across_caching_chunking_and_preemption(make_ll
     tight = make_llm(num_gpu_blocks_override=14, enable_prefix_caching=False)
     assert greedy_tokens(tight, PROMPTS) == baseline
     assert tight.llm_engine.scheduler.num_preemptions > 0
+
+
+def _dispatch_order(llm, monkeypatch) -> list[str]:
+    """Records "D" when the runner dispatches a step and "R" when a step's tokens are read."""
+    from jaxrunner import model_runner
+
+    events = []
+    runner = llm.llm_engine.runner
+    execute = runner.execute_model
+    get_output = model_runner._PendingOutput.get_output
+
+    def dispatch(scheduler_output):
+        if scheduler_output.total_num_scheduled_tokens:
+            events.append("D")
+        return execute(scheduler_output)
+
+    def read(self):
+        events.append("R")
+        return get_output(self)
+
+    monkeypatch.setattr(runner, "execute_model", dispatch)
+    monkeypatch.setattr(model_runner._PendingOutput, "get_output", read)
+    return events
+
+
+def test_async_scheduling_overlaps_steps_and_changes_no_output(make_llm, monkeypatch):
+    """Step k+1 is dispatched before step k's tokens are read, and the outputs (seeded sampling,
+    stop token ids, max_tokens, preemption) equal those of the engine that runs one step at a time."""
+    prompts = PROMPTS[:8]
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(8)]
+    sync = make_llm(async_scheduling=False, num_gpu_blocks_override=16)
+    sync_events = _dispatch_order(sync, monkeypatch)
+    expected = [o.outputs[0] for o in sync.generate(prompts, sampled, use_tqdm=False)]
+    assert "DD" not in "".join(sync_events)
+    # A token that some request samples third: as a stop token id it ends requests early.
+    stop = next(c.token_ids[2] for c in expected if len(c.token_ids) > 3)
+    stopping = [dataclasses.replace(p, stop_token_ids=[stop]) for p in sampled]
+    expected_stopped = [o.outputs[0] for o in sync.generate(prompts, stopping, use_tqdm=False)]
+
+    overlapped = make_llm(num_gpu_blocks_override=16)
+    events = _dispatch_order(overlapped, monkeypatch)
+    got = [o.outputs[0] for o in overlapped.generate(prompts, sampled, use_tqdm=False)]
+    got_stopped = [o.outputs[0] for o in overlapped.generate(prompts, stopping, use_tqdm=False)]
+    assert "DDR" in "".join(events)
+    for want, have in zip(expected + expected_stopped, got + got_stopped):
+        assert (have.token_ids, have.finish_reason, have.stop_reason) == (
+            want.token_ids, want.finish_reason, want.stop_reason)
+    assert any(c.finish_reason == "stop" for c in got_stopped)
+    assert overlapped.llm_engine.scheduler.num_preemptions > 0
+    assert [len(c.token_ids) for c in got] == [p.max_tokens for p in sampled]
 
 
 def test_prefix_caching_hits_and_computes_fewer_tokens(make_llm):

@@ -189,14 +189,31 @@ class _DecodeLog:
 
 
 def test_detokenizer_decodes_a_short_window(any_tok):
+    """Read after every token (as streaming does), each decode covers a few tokens only."""
     log = _DecodeLog(any_tok)
     text = " ".join(["naïve 😀 日本語 hello"] * 60)
     output = any_tok.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(log, any_tok.encode("prompt"))
     for token in output:
         detok.update([token])
+        detok.output_text
     assert detok.output_text.lstrip(" ") == text
     assert len(output) > 300 and max(log.sizes) <= 10 and len(log.sizes) <= 2 * len(output) + 1
+
+
+def test_detokenizer_without_stop_strings_decodes_only_when_read(any_tok):
+    """Unread and without stop strings, updates decode nothing; the final text is the same."""
+    log = _DecodeLog(any_tok)
+    text = " ".join(["naïve 😀 日本語 hello"] * 20)
+    output = any_tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(log, any_tok.encode("prompt"))
+    decodes_at_start = len(log.sizes)
+    for token in output[:-1]:
+        detok.update([token])
+    assert len(log.sizes) == decodes_at_start
+    detok.update(output[-1:], finished=True)
+    assert detok.output_text.lstrip(" ") == text
+    assert len(log.sizes) - decodes_at_start <= 2
 
 
 def test_detokenizer_holds_back_split_characters(byte_tok):
