@@ -1,3 +1,5 @@
+"""``python -m jaxrunner``: the command line."""
+
 from jaxrunner.cli import main
 
 main()

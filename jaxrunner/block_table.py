@@ -36,6 +36,7 @@ class BlockTables:
         self.num_blocks[slot] = end
 
     def clear(self, slot: int) -> None:
+        """Forget the slot's blocks (its request finished or was preempted)."""
         self.num_blocks[slot] = 0
 
     @staticmethod

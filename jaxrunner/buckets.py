@@ -71,6 +71,7 @@ class CompileCounter:
 
     @classmethod
     def install(cls) -> None:
+        """Start counting backend compiles (once per process; later calls do nothing)."""
         with cls._lock:
             if cls._installed:
                 return
@@ -85,6 +86,7 @@ class CompileCounter:
 
     @classmethod
     def count(cls) -> int:
+        """Backend compiles since ``install``."""
         cls.install()
         return cls._count
 
@@ -102,6 +104,7 @@ class CompiledPrograms:
         self._programs: dict[int, jax.stages.Compiled] = {}
 
     def get(self, bucket: int) -> jax.stages.Compiled:
+        """The program for ``bucket``, lowered and compiled on first use."""
         program = self._programs.get(bucket)
         if program is None:
             program = self._lower(bucket).compile()
@@ -110,4 +113,5 @@ class CompiledPrograms:
 
     @property
     def num_compiled(self) -> int:
+        """How many buckets have a compiled program."""
         return len(self._programs)

@@ -127,6 +127,7 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` (the process's arguments when None) and run the command."""
     parser = argparse.ArgumentParser(prog="jaxrunner", description="vLLM's model runner and engine in JAX.")
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -33,6 +33,7 @@ class StepShape:
 
     @property
     def buffer_words(self) -> int:
+        """int32 words of the packed per-step buffer for this shape."""
         return (3 + self.num_spec) * self.num_reqs + 3 * self.append_capacity
 
 
@@ -52,6 +53,7 @@ class SampleRows:
 
     @classmethod
     def abstract(cls, max_num_reqs: int, num_spec: int) -> SampleRows:
+        """Shapes and dtypes of the rows, for lowering the sampling programs."""
         i32 = lambda *shape: jax.ShapeDtypeStruct((max_num_reqs, *shape), jnp.int32)
         return cls(
             idx_mapping=i32(), num_scheduled=i32(), num_drafts=i32(), draft_tokens=i32(num_spec),
@@ -74,6 +76,7 @@ class InputBatch:
 
     @property
     def num_reqs(self) -> int:
+        """Requests in the batch, before padding."""
         return len(self.req_ids)
 
 

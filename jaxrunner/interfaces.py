@@ -144,6 +144,7 @@ class CachedRequestData:
 
     @classmethod
     def make_empty(cls) -> CachedRequestData:
+        """No cached requests."""
         return cls()
 
 
@@ -167,6 +168,7 @@ class SchedulerOutput:
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:
+        """A step that schedules nothing."""
         return cls(
             scheduled_new_reqs=[],
             scheduled_cached_reqs=CachedRequestData.make_empty(),
@@ -211,6 +213,7 @@ class ModelRunnerOutput:
 
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:
+        """The output of a step that ran nothing."""
         return cls(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
 
 

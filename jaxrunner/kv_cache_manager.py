@@ -34,6 +34,7 @@ class PrefixCacheStats:
 
     @property
     def hit_rate(self) -> float:
+        """Cached tokens over looked-up tokens (0 before any lookup)."""
         return self.hits / self.queries if self.queries else 0.0
 
 
@@ -74,6 +75,7 @@ class KVCacheManager:
 
     @property
     def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all but the reserved null block."""
         return self.num_blocks - 1
 
     @property
@@ -82,6 +84,7 @@ class KVCacheManager:
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def can_fit(self, num_blocks_needed: int) -> bool:
+        """Whether ``num_blocks_needed`` blocks are free now (cached free blocks count)."""
         return num_blocks_needed <= self.num_free_blocks
 
     def ref_count(self, block_id: int) -> int:

@@ -62,6 +62,7 @@ class _Prompt:
 
     @property
     def finished(self) -> bool:
+        """Whether every sequence of the prompt has finished."""
         return all(s.request.is_finished for s in self.sequences)
 
 
@@ -94,6 +95,7 @@ class LLMEngine:
     # ------------------------------------------------------------- requests
 
     def next_request_id(self) -> str:
+        """A fresh request id for ``add_request``."""
         return str(next(self._ids))
 
     def add_request(
@@ -219,6 +221,7 @@ class LLMEngine:
         return IncrementalDetokenizer(self.tokenizer, token_ids, stop=list(params.stop))
 
     def abort_request(self, request_ids: Sequence[str]) -> None:
+        """Finish the prompts ``request_ids`` now (status aborted); unknown ids are ignored."""
         for request_id in request_ids:
             entry = self._prompts.get(request_id)
             if entry is not None:
@@ -227,6 +230,7 @@ class LLMEngine:
                 )
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
         return self.scheduler.has_unfinished_requests()
 
     # ----------------------------------------------------------------- step

@@ -16,6 +16,7 @@ class RequestMetrics:
 
     @property
     def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first generated token, once there is one."""
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
@@ -55,6 +56,7 @@ class CompletionOutput:
 
     @property
     def finished(self) -> bool:
+        """Whether this sequence has finished (it has a finish reason)."""
         return self.finish_reason is not None
 
 

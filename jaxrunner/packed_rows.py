@@ -25,6 +25,7 @@ class RowLayout:
 
     @property
     def width(self) -> int:
+        """int32 words per packed row."""
         return sum(w for _, w, _ in self.fields)
 
     def _offsets(self) -> dict[str, tuple[int, int, str]]:

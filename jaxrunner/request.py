@@ -10,6 +10,7 @@ from jaxrunner.interfaces import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is in its life, as vLLM's; the finished ones carry the finish reason as value."""
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -19,6 +20,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
+        """Whether the status ends the request."""
         return self in _FINISHED
 
 
@@ -55,11 +57,13 @@ class Request:
         self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
 
     def append_output_token_ids(self, token_id: int) -> None:
+        """Add one sampled token to the outputs (and to ``all_token_ids``)."""
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens known on the host."""
         return len(self._all_token_ids)
 
     @property
@@ -69,8 +73,10 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        """Whether the request has ended."""
         return self.status in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
+        """vLLM's finish reason ("stop", "length", "abort"), or None while running."""
         return self.status.value if self.is_finished else None

@@ -33,6 +33,7 @@ class SpecDecodingStats:
     accepted_at: list[int] = dataclasses.field(default_factory=list)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
+        """Count one request-step that verified ``num_drafts`` drafts and accepted the first ``num_accepted``."""
         self.num_steps += 1
         self.num_drafts += num_drafts
         self.num_accepted += num_accepted
@@ -48,6 +49,7 @@ class SpecDecodingStats:
 
     @property
     def acceptance_rate_per_position(self) -> list[float]:
+        """Per draft position: accepted over drafted."""
         return [a / d for a, d in zip(self.accepted_at + [0] * len(self.drafted_at), self.drafted_at)]
 
 
@@ -75,6 +77,7 @@ class Scheduler:
     # ------------------------------------------------------------- requests
 
     def add_request(self, request: Request) -> None:
+        """Queue a new request at the back of the waiting queue."""
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -99,14 +102,17 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
+        """Requests waiting or running."""
         return len(self.waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
         return self.num_unfinished > 0
 
     # ------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts, allocate their KV blocks, and say what the runner must add, update and free."""
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}

@@ -48,5 +48,6 @@ class EagleHead(nnx.Module):
 
 
 def init_random_eagle_head(config: TransformerConfig, *, dtype="float32", seed: int = 0) -> EagleHead:
+    """An EAGLE head of ``config`` with random weights from ``seed`` (for tests and benchmarks)."""
     dtype = jnp.dtype(dtype)
     return EagleHead(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed))

@@ -93,6 +93,7 @@ class KernelConfig:
 
     @property
     def tile_rows(self) -> int:
+        """Query rows per tile: 64 per compute warpgroup."""
         return ROWS_PER_WG * self.num_compute_wgs
 
 

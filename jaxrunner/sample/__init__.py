@@ -1,0 +1,1 @@
+"""Sampling on the device: the logits pipeline, seeded Gumbel noise, top-k/top-p, logprobs."""

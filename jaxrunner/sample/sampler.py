@@ -35,6 +35,8 @@ Logits = Float[Array, "n V"]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplerOutput:
+    """What the sampling step returns: one token per row and its logprobs."""
+
     sampled_token_ids: Int[Array, "n"]
     logprobs: LogprobsTensors
 

@@ -65,6 +65,7 @@ class SamplingArrays:
 
     @classmethod
     def zeros(cls, max_num_reqs: int, config: SamplerConfig, vocab_size: int) -> SamplingArrays:
+        """State for ``max_num_reqs`` slots, all unused."""
         r, w = max_num_reqs, bitmask_words(vocab_size)
         f32 = lambda *shape: jnp.zeros((r, *shape), jnp.float32)
         i32 = lambda *shape: jnp.zeros((r, *shape), jnp.int32)
@@ -197,6 +198,7 @@ def pack_sampling_params(
 
 
 def check_logprobs_count(field: str, count: int | None, config: SamplerConfig) -> None:
+    """Raise ValueError if ``count`` (of the SamplingParams field ``field``) is past ``max_logprobs``."""
     if count is not None and (count == -1 or count > config.max_logprobs):
         raise ValueError(
             f"SamplingParams.{field} asks for {count}; this engine returns at most "

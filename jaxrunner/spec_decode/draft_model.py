@@ -33,6 +33,7 @@ class DeviceDrafter:
 
     @classmethod
     def split(cls, module: nnx.Module, block_size: int, kv_dtype):
+        """A drafter of ``module``: its graph, its parameters and the spec of its KV cache (``block_size``, ``kv_dtype``)."""
         config = module.config
         graphdef, params = nnx.split(module)
         spec = KVCacheSpec(config.num_layers, block_size, config.num_kv_heads, config.head_dim, kv_dtype)
@@ -44,6 +45,7 @@ class DraftModel(DeviceDrafter):
 
     @classmethod
     def from_model(cls, model: CausalLM, block_size: int, kv_dtype, target_vocab: int) -> DraftModel:
+        """A drafter around a built draft model; its vocabulary must be the target's."""
         if model.config.vocab_size != target_vocab:
             raise ValueError(
                 f"The draft model's vocabulary ({model.config.vocab_size}) differs from the target's "

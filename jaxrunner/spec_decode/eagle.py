@@ -26,6 +26,7 @@ class EagleDrafter(DeviceDrafter):
 
     @classmethod
     def from_head(cls, head: EagleHead, block_size: int, kv_dtype, target_hidden: int) -> EagleDrafter:
+        """A drafter around a built EAGLE head; its feature width must be the target's hidden size."""
         if head.config.hidden_size != target_hidden:
             raise ValueError(
                 f"The EAGLE head's hidden size ({head.config.hidden_size}) differs from the target's "
