@@ -11,6 +11,7 @@ from jaxrunner.interfaces import SamplingParams
 
 class RequestStatus(enum.Enum):
     """Where a request is in its life, as vLLM's; the finished ones carry the finish reason as value."""
+
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
