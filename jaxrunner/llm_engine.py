@@ -86,7 +86,8 @@ class LLMEngine:
             StructuredOutputManager(tokenizer, runner.vocab_size) if tokenizer is not None else None
         )
         self._prompts: dict[str, _Prompt] = {}
-        self._child_to_prompt: dict[str, _Prompt] = {}
+        # Each running sequence's request id -> its prompt and its sequence.
+        self._by_request_id: dict[str, tuple[_Prompt, _Sequence]] = {}
         self._ids = itertools.count()
         # A dispatched step whose tokens are not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
@@ -121,7 +122,7 @@ class LLMEngine:
                         prompt_logprobs)
         self._prompts[request_id] = entry
         for seq in sequences:
-            self._child_to_prompt[seq.request.request_id] = entry
+            self._by_request_id[seq.request.request_id] = (entry, seq)
             self.scheduler.add_request(seq.request)
         return None
 
@@ -298,8 +299,7 @@ class LLMEngine:
         self._record_prompt_logprobs(runner_output)
         logprob_rows = self._logprob_rows(runner_output)
         for request, new_tokens in self.scheduler.update_from_output(scheduler_output, runner_output):
-            entry = self._child_to_prompt[request.request_id]
-            seq = next(s for s in entry.sequences if s.request is request)
+            entry, seq = self._by_request_id[request.request_id]
             if seq.logprobs is not None:
                 self._record_logprobs(seq, runner_output, logprob_rows[request.request_id][: len(new_tokens)])
             grammar_done = self._advance_grammar(request, new_tokens)
@@ -368,7 +368,7 @@ class LLMEngine:
 
     def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
         for req_id, (first, lists) in runner_output.prompt_logprobs_dict.items():
-            entry = self._child_to_prompt.get(req_id)
+            entry, _ = self._by_request_id.get(req_id, (None, None))
             if entry is None or entry.prompt_logprobs is None or entry.sequences[0].request.request_id != req_id:
                 continue
             count = entry.sequences[0].request.sampling_params.prompt_logprobs
@@ -404,7 +404,7 @@ class LLMEngine:
     def _release(self, entry: _Prompt) -> None:
         del self._prompts[entry.request_id]
         for seq in entry.sequences:
-            del self._child_to_prompt[seq.request.request_id]
+            del self._by_request_id[seq.request.request_id]
             if self.structured_outputs is not None:
                 self.structured_outputs.remove_request(seq.request.request_id)
 
