@@ -6,6 +6,11 @@ step (token bucket: input preparation, the model, the gather of the rows to
 sample) and the sampling step (request bucket: logits, sampling, post-update).
 Splitting by axis keeps the number of programs the sum of the ladders, not
 their product. The KV cache and the device state are donated to each program.
+
+The runner serves one mesh of ``tensor_parallel_size`` devices (one
+data-parallel replica): every program is lowered with explicit shardings, the
+parameters' from ``jaxrunner.sharding``, the KV caches split on their KV heads,
+and the device state, step inputs and outputs replicated.
 """
 
 from __future__ import annotations
@@ -14,18 +19,20 @@ import functools
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxrunner import compat
 from jaxrunner.block_table import BlockTables
 from jaxrunner.buckets import CompiledPrograms, CompileCounter, make_ladder, pad_to_bucket
-from jaxrunner.config import RunnerConfig
+from jaxrunner.config import ParallelConfig, RunnerConfig
 from jaxrunner.input_batch import (
     InputBatch,
     SampleRows,
@@ -48,6 +55,14 @@ from jaxrunner.spec_decode.draft_model import DraftModel
 from jaxrunner.spec_decode.eagle import EagleDrafter
 from jaxrunner.step_functions import StepStatics
 from jaxrunner.sample.sampling_state import bitmask_words, check_logprobs_count, pack_sampling_params
+from jaxrunner.sharding import (
+    host_copy,
+    kv_cache_sharding,
+    make_mesh,
+    param_shardings,
+    replicated,
+    tensor_parallel_size,
+)
 from jaxrunner.states import DeviceState, RequestState, write_new_requests
 
 logger = logging.getLogger(__name__)
@@ -56,12 +71,37 @@ logger = logging.getLogger(__name__)
 _PROFILE_NUM_BLOCKS = 16
 
 
-class ModelRunner:
-    """Holds the model, the KV cache and the request state; runs one step at a time."""
+class AsyncModelRunnerOutput:
+    """A dispatched sampling step (vLLM's ``AsyncOutput``): ``get_output()`` waits for its tokens.
 
-    def __init__(self, config: RunnerConfig, device: jax.Device | None = None):
+    Holding it lets the caller dispatch other work (another replica's step) first.
+    """
+
+    def __init__(self, finish: Callable[[], ModelRunnerOutput]):
+        self._finish = finish
+
+    def get_output(self) -> ModelRunnerOutput:
+        return self._finish()
+
+
+class ModelRunner:
+    """Holds the model, the KV cache and the request state; runs one step at a time.
+
+    ``mesh`` is the replica's ``(data, model)`` mesh of one row (``jaxrunner.sharding``);
+    by default the first ``tensor_parallel_size`` devices.
+    """
+
+    def __init__(self, config: RunnerConfig, mesh: Mesh | None = None):
         self.config = config
-        self.device = device or jax.devices()[0]
+        tp = config.parallel_config.tensor_parallel_size
+        self.mesh = mesh or make_mesh(ParallelConfig(tensor_parallel_size=tp))
+        if tensor_parallel_size(self.mesh) != tp:
+            raise ValueError(
+                f"The mesh's model axis has {tensor_parallel_size(self.mesh)} devices but "
+                f"ParallelConfig.tensor_parallel_size is {tp}; give the runner one replica's mesh."
+            )
+        self.replicated = replicated(self.mesh)
+        self.kv_cache_sharding = kv_cache_sharding(self.mesh)
         self.model_config = config.model_config
         self.cache_config = config.cache_config
         self.max_num_reqs = config.scheduler_config.max_num_seqs
@@ -88,19 +128,21 @@ class ModelRunner:
         """Load the checkpoint named by ``ModelConfig.model``, or take a built model.
 
         With a draft-model speculative config, ``draft_model`` (or the one the
-        config names) proposes the drafts.
+        config names) proposes the drafts. Under tensor parallelism a given model
+        must have been built for this runner's mesh (``mesh=runner.mesh``).
         """
         start = time.perf_counter()
         if model is None:
             if self.model_config.model is None:
                 raise ValueError("ModelConfig.model names no checkpoint directory, and no model was given.")
-            model, _ = load_model(self.model_config.model, dtype=self.model_config.dtype)
+            model, _ = load_model(self.model_config.model, dtype=self.model_config.dtype, mesh=self.mesh)
         self.model = model
         self.model_arch: TransformerConfig = model.config
         self.vocab_size = self.model_arch.vocab_size
         self.max_model_len = self.model_config.max_model_len or self.model_arch.max_position_embeddings
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
-        self._graphdef, self.params = nnx.split(model)
+        self._graphdef, params = nnx.split(self._built_for_mesh(model))
+        self.params = self._place(params)
         cache_dtype = self.cache_config.cache_dtype
         kv_dtype = model.dtype if cache_dtype == "auto" else jnp.dtype(cache_dtype)
         self.kv_cache_spec = KVCacheSpec(
@@ -115,22 +157,44 @@ class ModelRunner:
             self.config.sampler_config, self.vocab_size,
         )
         self.block_tables = BlockTables(self.max_num_reqs, self.max_blocks_per_req, self.block_size)
-        self.device_state = DeviceState.zeros(
-            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
-            self.config.sampler_config, self.vocab_size, self.num_spec,
+        self.device_state = jax.device_put(
+            DeviceState.zeros(
+                self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
+                self.config.sampler_config, self.vocab_size, self.num_spec,
+            ),
+            self.replicated,
         )
         self.drafter = None
         method = None if self.config.speculative_config is None else self.config.speculative_config.method
         if method == "draft_model":
             draft_model = draft_model or self._load_draft_model()
-            self.drafter = DraftModel.from_model(draft_model, self.block_size, kv_dtype, self.vocab_size)
+            self.drafter = DraftModel.from_model(
+                self._built_for_mesh(draft_model), self.block_size, kv_dtype, self.vocab_size
+            )
         elif method == "eagle":
-            head = draft_model or load_eagle_head(self._draft_model_name(), dtype=self.model_config.dtype)
-            self.drafter = EagleDrafter.from_head(head, self.block_size, kv_dtype, self.model_arch.hidden_size)
-        self.draft_params = None if self.drafter is None else self.drafter.params
+            head = draft_model or load_eagle_head(
+                self._draft_model_name(), dtype=self.model_config.dtype, mesh=self.mesh
+            )
+            self.drafter = EagleDrafter.from_head(
+                self._built_for_mesh(head), self.block_size, kv_dtype, self.model_arch.hidden_size
+            )
+        self.draft_params = None if self.drafter is None else self._place(self.drafter.params)
         self.draft_kv_caches: KVCaches = []
         self._build_programs()
         logger.info("Model loaded in %.1f s", time.perf_counter() - start)
+
+    def _built_for_mesh(self, module: nnx.Module) -> nnx.Module:
+        """``module``, checked to shard its attention over this runner's mesh (any mesh does for one device)."""
+        if tensor_parallel_size(self.mesh) > 1 and module.mesh != self.mesh:
+            raise ValueError(
+                f"The model was built for mesh {module.mesh}, not this runner's {self.mesh}; under tensor "
+                "parallelism build it with mesh=runner.mesh (load_model, init_random_model, load_builtin)."
+            )
+        return module
+
+    def _place(self, params: nnx.State) -> nnx.State:
+        """``params`` in their shardings on this runner's mesh (already there: nothing moves)."""
+        return jax.device_put(params, param_shardings(self.mesh, params))
 
     def _draft_model_name(self) -> str:
         spec = self.config.speculative_config
@@ -143,8 +207,8 @@ class ModelRunner:
 
         name = self._draft_model_name()
         if is_builtin(name):  # random weights from the engine's seed, as the target's
-            return load_builtin(name, dtype=self.model_config.dtype, seed=self.model_config.seed)[0]
-        return load_model(name, dtype=self.model_config.dtype)[0]
+            return load_builtin(name, dtype=self.model_config.dtype, seed=self.model_config.seed, mesh=self.mesh)[0]
+        return load_model(name, dtype=self.model_config.dtype, mesh=self.mesh)[0]
 
     def profile_run(self) -> int:
         """Activation bytes of the largest steps, from XLA's memory analysis of their programs."""
@@ -161,18 +225,19 @@ class ModelRunner:
         if num_blocks is None and self.cache_config.num_gpu_blocks_override is not None:
             num_blocks = self.cache_config.num_gpu_blocks_override
         if num_blocks is None:
+            tp = tensor_parallel_size(self.mesh)
             num_blocks = determine_num_blocks(
-                self.kv_cache_spec,
+                self.kv_cache_spec.per_device(tp),
                 self.cache_config,
-                self.device,
+                self.mesh.devices.flat[0],
                 activation_bytes=self.profile_run(),
                 max_useful_blocks=self.max_num_reqs * self.max_blocks_per_req + 1,
-                extra_bytes_per_block=0 if self.drafter is None else self.drafter.kv_spec.bytes_per_block,
+                extra_bytes_per_block=0 if self.drafter is None else self.drafter.kv_spec.per_device(tp).bytes_per_block,
             )
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks)
+        self.kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks, self.kv_cache_sharding)
         if self.drafter is not None:
-            self.draft_kv_caches = allocate_kv_caches(self.drafter.kv_spec, num_blocks)
+            self.draft_kv_caches = allocate_kv_caches(self.drafter.kv_spec, num_blocks, self.kv_cache_sharding)
         logger.info("KV cache: %s", kv_cache_capacity(self.kv_cache_spec, num_blocks))
         return num_blocks
 
@@ -203,7 +268,12 @@ class ModelRunner:
         )
 
     def _abstract(self, tree: Any) -> Any:
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+        """Shape, dtype and sharding of every array in ``tree``."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+    def _input(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        """A step input from the host: replicated over the mesh."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
 
     def _build_programs(self) -> None:
         statics = StepStatics(
@@ -215,22 +285,26 @@ class ModelRunner:
         self._forward_programs = CompiledPrograms(
             "forward", lambda b: self._lower_forward(b, self.num_blocks)
         )
+        # Outputs keep the inputs' layout: caches split on KV heads, everything else replicated.
+        cache, whole = self.kv_cache_sharding, self.replicated
         sample_jit = jax.jit(
-            functools.partial(step_functions.sample_step, statics), static_argnames="num_rows", donate_argnums=(2, 5)
+            functools.partial(step_functions.sample_step, statics), static_argnames="num_rows",
+            donate_argnums=(2, 5), out_shardings=(cache, whole, whole, whole),
         )
         write_jit = jax.jit(
-            functools.partial(write_new_requests, layout=self.req_states.layout), donate_argnums=(0,)
+            functools.partial(write_new_requests, layout=self.req_states.layout), donate_argnums=(0,),
+            out_shardings=whole,
         )
-        prompt_logprobs_jit = jax.jit(functools.partial(step_functions.prompt_logprobs, statics))
+        prompt_logprobs_jit = jax.jit(functools.partial(step_functions.prompt_logprobs, statics), out_shardings=whole)
         words = bitmask_words(self.vocab_size)
-        hidden_spec = jax.ShapeDtypeStruct(
-            (self.max_num_reqs, self.num_spec + 1, self.model_arch.hidden_size), self.model.dtype
+        hidden_spec = self._input((self.max_num_reqs, self.num_spec + 1, self.model_arch.hidden_size), self.model.dtype)
+        rows_spec = jax.tree.map(
+            lambda a: self._input(a.shape, a.dtype), SampleRows.abstract(self.max_num_reqs, self.num_spec)
         )
-        rows_spec = SampleRows.abstract(self.max_num_reqs, self.num_spec)
         self._sample_lower = lambda b, num_blocks: sample_jit.lower(
             self._abstract(self.params), self._abstract(self.draft_params),
             self._abstract_draft_kv(num_blocks), hidden_spec, rows_spec, self._abstract(self.device_state),
-            jax.ShapeDtypeStruct((b, words), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
+            self._input((b, words), jnp.int32), self._input((b,), jnp.bool_),
             num_rows=b,
         )
         self._sample_programs = CompiledPrograms("sample", lambda b: self._sample_lower(b, self.num_blocks))
@@ -238,38 +312,38 @@ class ModelRunner:
         self._prompt_logprob_programs = CompiledPrograms(
             "prompt_logprobs",
             lambda b: prompt_logprobs_jit.lower(
-                self._abstract(self.params),
-                jax.ShapeDtypeStruct((b, self.model_arch.hidden_size), self.model.dtype),
-                jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+                self._abstract(self.params), self._input((b, self.model_arch.hidden_size), self.model.dtype),
+                self._input((b,), jnp.int32), self._input((b,), jnp.int32),
             ),
         )
         self._no_grammar = {
-            b: (jax.device_put(np.zeros((b, words), np.int32)), jax.device_put(np.zeros(b, np.bool_)))
+            b: jax.device_put((np.zeros((b, words), np.int32), np.zeros(b, np.bool_)), whole)
             for b in self.request_buckets
         }
         self._write_programs = CompiledPrograms(
             "write_new_requests",
             lambda b: write_jit.lower(
-                self._abstract(self.device_state),
-                jax.ShapeDtypeStruct((b, self.req_states.row_words), jnp.int32),
+                self._abstract(self.device_state), self._input((b, self.req_states.row_words), jnp.int32)
             ),
         )
 
     def _abstract_draft_kv(self, num_blocks: int) -> KVCaches:
-        return [] if self.drafter is None else self.drafter.kv_spec.abstract(num_blocks)
+        return [] if self.drafter is None else self.drafter.kv_spec.abstract(num_blocks, self.kv_cache_sharding)
 
     def _lower_forward(self, num_tokens: int, num_blocks: int) -> jax.stages.Lowered:
         shape = self._step_shape(num_tokens)
+        cache, whole = self.kv_cache_sharding, self.replicated
         forward_jit = jax.jit(
-            functools.partial(self._forward_fn, shape=shape), donate_argnums=(2, 3, 4)
+            functools.partial(self._forward_fn, shape=shape), donate_argnums=(2, 3, 4),
+            out_shardings=(cache, cache, whole, whole, whole, whole),
         )
         return forward_jit.lower(
             self._abstract(self.params),
             self._abstract(self.draft_params),
-            self.kv_cache_spec.abstract(num_blocks),
+            self.kv_cache_spec.abstract(num_blocks, cache),
             self._abstract_draft_kv(num_blocks),
             self._abstract(self.device_state),
-            jax.ShapeDtypeStruct((shape.buffer_words,), jnp.int32),
+            self._input((shape.buffer_words,), jnp.int32),
         )
 
     # ------------------------------------------------------------ request state
@@ -379,6 +453,13 @@ class ModelRunner:
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """Sample the step dispatched by ``execute_model`` and return its output."""
+        return self.sample_tokens_async(grammar_output).get_output()
+
+    def sample_tokens_async(self, grammar_output: GrammarOutput | None = None) -> AsyncModelRunnerOutput:
+        """Dispatch the sampling step; ``get_output()`` of the result waits for it and returns its output.
+
+        ``get_output()`` must come before the next ``execute_model``.
+        """
         if self.execute_model_state is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model().")
         batch, sample_hidden, rows, hidden = self.execute_model_state
@@ -390,8 +471,14 @@ class ModelRunner:
             self.params, self.draft_params, self.draft_kv_caches, sample_hidden, rows, self.device_state,
             bitmask, active,
         )
+        return AsyncModelRunnerOutput(functools.partial(self._finish_step, batch, hidden, tokens, logprobs))
+
+    def _finish_step(
+        self, batch: InputBatch, hidden: jax.Array, tokens: jax.Array, logprobs: LogprobsTensors | None
+    ) -> ModelRunnerOutput:
+        """Read the sampled tokens back, advance the host's counts and build the output."""
         prompt_logprobs = self._prompt_logprobs_of(batch, hidden)
-        tokens_np = np.asarray(tokens)[: batch.num_reqs]
+        tokens_np = host_copy(tokens)[: batch.num_reqs]
         sampled = [
             [int(t) for t in row if t >= 0] if s else [] for row, s in zip(tokens_np, batch.is_sampling_np)
         ]
@@ -426,9 +513,9 @@ class ModelRunner:
             return None
         keep = np.flatnonzero(batch.is_sampling_np)
         return LogprobsLists(
-            logprob_token_ids=np.asarray(tensors.token_ids)[keep],
-            logprobs=np.asarray(tensors.logprobs)[keep],
-            sampled_token_ranks=np.asarray(tensors.ranks)[keep],
+            logprob_token_ids=host_copy(tensors.token_ids)[keep],
+            logprobs=host_copy(tensors.logprobs)[keep],
+            sampled_token_ranks=host_copy(tensors.ranks)[keep],
             cu_num_generated_tokens=np.concatenate([[0], np.cumsum(batch.is_sampling_np)]).tolist(),
         )
 
@@ -457,7 +544,7 @@ class ModelRunner:
             targets[start : start + end - first] = prompt[first + 1 : end + 1]
             counts[start : start + end - first] = k + 1
         out = self._prompt_logprob_programs.get(size)(self.params, hidden, targets, counts)
-        ids, lps, ranks = (np.asarray(a) for a in (out.token_ids, out.logprobs, out.ranks))
+        ids, lps, ranks = (host_copy(a) for a in (out.token_ids, out.logprobs, out.ranks))
         result = {}
         for req_id, start, first, end, _, k in spans:
             rows = slice(start, start + end - first)
