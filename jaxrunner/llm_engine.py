@@ -14,8 +14,8 @@ import time
 from collections.abc import Sequence
 
 from jaxrunner.detokenizer import IncrementalDetokenizer
-from jaxrunner.interfaces import ModelRunnerOutput, SamplingParams
-from jaxrunner.model_runner import ModelRunner
+from jaxrunner.interfaces import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from jaxrunner.model_runner import AsyncModelRunnerOutput, ModelRunner
 from jaxrunner.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxrunner.request import Request, RequestStatus
 from jaxrunner.scheduler import Scheduler
@@ -209,6 +209,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def num_unfinished_prompts(self) -> int:
+        return len(self._prompts)
+
     # ----------------------------------------------------------------- step
 
     def step(self, delta: bool = False) -> list[RequestOutput]:
@@ -217,15 +221,25 @@ class LLMEngine:
         With ``delta`` each output's text is only what is new since the last one
         (for streaming); otherwise it is the whole text so far.
         """
+        return self.finish_step(*self.start_step(), delta=delta)
+
+    def start_step(self) -> tuple[SchedulerOutput, AsyncModelRunnerOutput]:
+        """Schedule a step and dispatch it to the device, without waiting for its tokens."""
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens > 0:
-            grammar = None
-            if self.structured_outputs is not None:
-                grammar = self.structured_outputs.grammar_output(list(scheduler_output.num_scheduled_tokens))
-            runner_output = self.runner.sample_tokens(grammar)
-        elif runner_output is None:
-            runner_output = ModelRunnerOutput.make_empty()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            empty = runner_output or ModelRunnerOutput.make_empty()
+            return scheduler_output, AsyncModelRunnerOutput(lambda: empty)
+        grammar = None
+        if self.structured_outputs is not None:
+            grammar = self.structured_outputs.grammar_output(list(scheduler_output.num_scheduled_tokens))
+        return scheduler_output, self.runner.sample_tokens_async(grammar)
+
+    def finish_step(
+        self, scheduler_output: SchedulerOutput, pending: AsyncModelRunnerOutput, delta: bool = False
+    ) -> list[RequestOutput]:
+        """Wait for a started step's tokens and apply them: stops, text, outputs."""
+        runner_output = pending.get_output()
         touched: dict[str, _Prompt] = {}
         self._record_prompt_logprobs(runner_output)
         logprob_rows = self._logprob_rows(runner_output)

@@ -47,7 +47,7 @@ from jaxrunner.kv_cache import (
     determine_num_blocks,
     kv_cache_capacity,
 )
-from jaxrunner.models import CausalLM, TransformerConfig, load_model
+from jaxrunner.models import CausalLM, TransformerConfig
 from jaxrunner.models.loader import load_eagle_head
 from jaxrunner import step_functions
 from jaxrunner.sample.logprobs import LogprobsTensors
@@ -125,7 +125,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
 
     def load_model(self, model: CausalLM | None = None, draft_model: CausalLM | None = None) -> None:
-        """Load the checkpoint named by ``ModelConfig.model``, or take a built model.
+        """Load the model ``ModelConfig.model`` names (a checkpoint directory or a built-in), or take a built one.
 
         With a draft-model speculative config, ``draft_model`` (or the one the
         config names) proposes the drafts. Under tensor parallelism a given model
@@ -135,7 +135,7 @@ class ModelRunner:
         if model is None:
             if self.model_config.model is None:
                 raise ValueError("ModelConfig.model names no checkpoint directory, and no model was given.")
-            model, _ = load_model(self.model_config.model, dtype=self.model_config.dtype, mesh=self.mesh)
+            model = self._load_named(self.model_config.model)
         self.model = model
         self.model_arch: TransformerConfig = model.config
         self.vocab_size = self.model_arch.vocab_size
@@ -167,7 +167,7 @@ class ModelRunner:
         self.drafter = None
         method = None if self.config.speculative_config is None else self.config.speculative_config.method
         if method == "draft_model":
-            draft_model = draft_model or self._load_draft_model()
+            draft_model = draft_model or self._load_named(self._draft_model_name())
             self.drafter = DraftModel.from_model(
                 self._built_for_mesh(draft_model), self.block_size, kv_dtype, self.vocab_size
             )
@@ -202,13 +202,11 @@ class ModelRunner:
             raise ValueError(f"SpeculativeConfig.model must name the draft model for method {spec.method!r}.")
         return spec.model
 
-    def _load_draft_model(self) -> CausalLM:
-        from jaxrunner.builtin_models import is_builtin, load_builtin
+    def _load_named(self, name: str) -> CausalLM:
+        """A checkpoint directory's model, or a built-in's with random weights from the engine's seed."""
+        from jaxrunner.builtin_models import load_named_model
 
-        name = self._draft_model_name()
-        if is_builtin(name):  # random weights from the engine's seed, as the target's
-            return load_builtin(name, dtype=self.model_config.dtype, seed=self.model_config.seed, mesh=self.mesh)[0]
-        return load_model(name, dtype=self.model_config.dtype, mesh=self.mesh)[0]
+        return load_named_model(name, dtype=self.model_config.dtype, seed=self.model_config.seed, mesh=self.mesh)
 
     def profile_run(self) -> int:
         """Activation bytes of the largest steps, from XLA's memory analysis of their programs."""
