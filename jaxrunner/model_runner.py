@@ -224,13 +224,14 @@ class ModelRunner:
             num_blocks = self.cache_config.num_gpu_blocks_override
         if num_blocks is None:
             tp = tensor_parallel_size(self.mesh)
+            draft = None if self.drafter is None else self.drafter.kv_spec.per_device(tp)
             num_blocks = determine_num_blocks(
                 self.kv_cache_spec.per_device(tp),
                 self.cache_config,
                 self.mesh.devices.flat[0],
                 activation_bytes=self.profile_run(),
                 max_useful_blocks=self.max_num_reqs * self.max_blocks_per_req + 1,
-                extra_bytes_per_block=0 if self.drafter is None else self.drafter.kv_spec.per_device(tp).bytes_per_block,
+                extra_bytes_per_block=0 if draft is None else draft.bytes_per_block,
             )
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks, self.kv_cache_sharding)

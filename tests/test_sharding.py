@@ -5,6 +5,11 @@ relative error under 1e-5, greedy tokens exactly. Shard sizes are read from the
 arrays themselves; precompiled runners must compile nothing more.
 """
 
+import os
+import socket
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -236,3 +241,33 @@ def test_mosaic_gpu_kernel_runs_per_kv_head_shard_in_the_interpreter():
     assert got_caches[0].sharding.spec == P(None, None, MODEL_AXIS)
     np.testing.assert_array_equal(np.asarray(got_caches[1]), np.asarray(want_caches[1]))
     assert rel_err(got, np.asarray(want)) < 1e-5
+
+
+def test_two_processes_share_one_tensor_parallel_model(tmp_path):
+    """The several-host path on one machine: two processes of one CPU device each, jax.distributed, TP=2."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "XDG_CACHE_HOME": str(tmp_path),
+           "JAX_PLATFORMS": "cpu"}
+    prompts = ["Hi", "Hello there"]
+    shape = dict(max_num_seqs=2, max_num_batched_tokens=16, token_buckets=[16], request_buckets=[2],
+                 num_gpu_blocks_override=16)
+    flags = [f"--{k.replace('_', '-')}={v[0] if isinstance(v, list) else v}" for k, v in shape.items()]
+    command = ["generate", "--max-tokens=4", "--tensor-parallel-size=2", *flags, *(f"--prompt={p}" for p in prompts)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxrunner.launch", f"--coordinator-address=localhost:{port}",
+             "--num-processes=2", f"--process-id={i}", *command],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    single = LLM("tiny-llama", compilation_cache_dir="", **shape)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    texts = [o.outputs[0].text for o in single.generate(prompts, greedy, use_tqdm=False)]
+    expected = [f"{p!r} -> {t!r} (length)" for p, t in zip(prompts, texts)]
+    for out in outputs:  # each process prints every output
+        assert [line for line in out.splitlines() if " -> " in line] == expected
