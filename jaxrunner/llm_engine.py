@@ -9,7 +9,6 @@ its own; it never reaches the scheduler or the runner.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Sequence
 
@@ -69,12 +68,8 @@ class LLMEngine:
         )
         self._prompts: dict[str, _Prompt] = {}
         self._child_to_prompt: dict[str, _Prompt] = {}
-        self._ids = itertools.count()
 
     # ------------------------------------------------------------- requests
-
-    def next_request_id(self) -> str:
-        return str(next(self._ids))
 
     def add_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams

@@ -9,7 +9,6 @@ Linear's ``kernel`` (``[in, out]``, HF's ``weight`` transposed) and an Embed's
 ``embedding`` both called ``weight``.
 """
 
-from collections.abc import Callable
 from os import PathLike
 from pathlib import Path
 
@@ -78,13 +77,7 @@ def init_random_model(
     dtype = jnp.dtype(dtype)
     param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
     mesh = mesh or make_mesh(ParallelConfig())
-    return init_sharded(
-        lambda: CausalLM(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), mesh=mesh), mesh
-    )
-
-
-def init_sharded(build: Callable[[], nnx.Module], mesh: Mesh) -> nnx.Module:
-    """``build()``'s module, its parameters initialised under jit straight into their shardings."""
+    build = lambda: CausalLM(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), mesh=mesh)
     graphdef, abstract = nnx.split(nnx.eval_shape(build))
     params = jax.jit(lambda: nnx.state(build()), out_shardings=param_shardings(mesh, abstract))()
     return nnx.merge(graphdef, params)

@@ -33,6 +33,9 @@ from jaxrunner.models import loader
 from jaxrunner.ops import write_and_attend
 from jaxrunner.sharding import MODEL_AXIS, kv_cache_sharding, make_mesh, replica_meshes
 
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or len(jax.devices()) < 8, reason="runs on the CPU split into 8 devices"
+)
 GREEDY = SamplingParams(temperature=0.0)
 # Four KV heads (TP up to 4) and a vocabulary no TP size divides: the padded rows are exercised.
 CONFIG = TransformerConfig(
