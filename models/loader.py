@@ -9,6 +9,8 @@ Linear's ``kernel`` (``[in, out]``, HF's ``weight`` transposed) and an Embed's
 ``embedding`` both called ``weight``.
 """
 
+import functools
+from collections.abc import Callable
 from os import PathLike
 from pathlib import Path
 
@@ -76,11 +78,18 @@ def init_random_model(
     """
     dtype = jnp.dtype(dtype)
     param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
-    mesh = mesh or make_mesh(ParallelConfig())
-    build = lambda: CausalLM(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), mesh=mesh)
-    graphdef, abstract = nnx.split(nnx.eval_shape(build))
-    params = jax.jit(lambda: nnx.state(build()), out_shardings=param_shardings(mesh, abstract))()
-    return nnx.merge(graphdef, params)
+    graphdef, init = _random_init(config, dtype, param_dtype, mesh or make_mesh(ParallelConfig()))
+    return nnx.merge(graphdef, init(jax.random.key(seed)))
+
+
+@functools.cache
+def _random_init(
+    config: TransformerConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, mesh: Mesh
+) -> tuple[nnx.GraphDef, Callable[[jax.Array], nnx.State]]:
+    """The model's graph and its parameters' initialisation from a key, jitted once per model and mesh."""
+    build = lambda key: CausalLM(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(key), mesh=mesh)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build(jax.random.key(0))))
+    return graphdef, jax.jit(lambda key: nnx.state(build(key)), out_shardings=param_shardings(mesh, abstract))
 
 
 def hf_name(path: tuple) -> str:
