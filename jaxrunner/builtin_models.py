@@ -4,9 +4,10 @@ They exercise the whole engine (tokenize, prefill, decode, detokenize) on any
 machine without a download; their text is random bytes, not language.
 """
 
+from jax.sharding import Mesh
 from transformers import PreTrainedTokenizerFast
 
-from jaxrunner.models import CausalLM, TransformerConfig, init_random_model
+from jaxrunner.models import CausalLM, TransformerConfig, init_random_model, load_model
 from jaxrunner.models.transformer import Llama3RopeScaling
 from jaxrunner.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
@@ -48,10 +49,18 @@ def is_builtin(name: str) -> bool:
 
 
 def load_builtin(
-    name: str, *, dtype="float32", seed: int = 0
+    name: str, *, dtype="float32", seed: int = 0, mesh: Mesh | None = None
 ) -> tuple[CausalLM, TransformerConfig, PreTrainedTokenizerFast]:
-    """The built-in model ``name`` with random weights from ``seed``, its config and tokenizer."""
+    """The built-in model ``name`` with random weights from ``seed`` (the same on any ``mesh``),
+    its config and tokenizer."""
     if name not in BUILTIN_MODELS:
         raise ValueError(f"Unknown built-in model {name!r}; the built-in models are {', '.join(BUILTIN_MODELS)}")
     config = BUILTIN_MODELS[name]
-    return init_random_model(config, dtype=dtype, seed=seed), config, build_byte_tokenizer()
+    return init_random_model(config, dtype=dtype, seed=seed, mesh=mesh), config, build_byte_tokenizer()
+
+
+def load_named_model(name: str, *, dtype="float32", seed: int = 0, mesh: Mesh | None = None) -> CausalLM:
+    """A built-in model (random weights from ``seed``) or a checkpoint directory's, on ``mesh``."""
+    if is_builtin(name):
+        return load_builtin(name, dtype=dtype, seed=seed, mesh=mesh)[0]
+    return load_model(name, dtype=dtype, mesh=mesh)[0]

@@ -11,6 +11,7 @@ import numpy as np
 _ENGINE_FLAGS = {
     "dtype": str, "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
     "gpu_memory_utilization": float, "num_gpu_blocks_override": int, "seed": int,
+    "tensor_parallel_size": int, "data_parallel_size": int,
 }
 
 
@@ -74,6 +75,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def _bench(args: argparse.Namespace) -> None:
     from jaxrunner.interfaces import SamplingParams
+    from jaxrunner.kv_cache_manager import PrefixCacheStats
 
     llm = _make_llm(args)
     rng = np.random.default_rng(args.workload_seed)
@@ -93,23 +95,27 @@ def _bench(args: argparse.Namespace) -> None:
     num_input = int(input_lens.sum())
     ttft = [o.metrics.time_to_first_token for o in outputs if o.metrics and o.metrics.time_to_first_token]
     tpot = [o.metrics.time_per_output_token for o in outputs if o.metrics and o.metrics.time_per_output_token]
-    manager = llm.kv_cache_manager
-    step_times = llm.llm_engine.step_times
-    steps = max(step_times.num_steps, 1)
+    engines = llm.replicas.engines  # data-parallel replicas: their counts add up
+    managers = [e.scheduler.kv_cache_manager for e in engines]
+    prefix_cache = PrefixCacheStats(
+        queries=sum(m.stats.queries for m in managers), hits=sum(m.stats.hits for m in managers)
+    )
+    step_times = [e.step_times for e in engines]
+    steps = max(sum(t.num_steps for t in step_times), 1)
     result = {
         "model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
         "output_len": args.output_len, "range_ratio": args.range_ratio, "elapsed_s": elapsed,
         "requests_per_s": len(outputs) / elapsed, "output_tokens_per_s": num_output / elapsed,
         "total_tokens_per_s": (num_input + num_output) / elapsed,
         "ttft_ms": _percentiles(ttft), "tpot_ms": _percentiles(tpot),
-        "num_preemptions": llm.llm_engine.scheduler.num_preemptions,
-        "prefix_cache_hit_rate": manager.stats.hit_rate,
-        "kv_cache_blocks": manager.num_usable_blocks,
-        "num_steps": step_times.num_steps,
-        "host_ms_per_step": step_times.host_s / steps * 1e3,
-        "device_wait_ms_per_step": step_times.wait_s / steps * 1e3,
+        "num_preemptions": sum(e.scheduler.num_preemptions for e in engines),
+        "prefix_cache_hit_rate": prefix_cache.hit_rate,
+        "kv_cache_blocks": sum(m.num_usable_blocks for m in managers),
+        "num_steps": sum(t.num_steps for t in step_times),
+        "host_ms_per_step": sum(t.host_s for t in step_times) / steps * 1e3,
+        "device_wait_ms_per_step": sum(t.wait_s for t in step_times) / steps * 1e3,
     }
-    spec = llm.llm_engine.scheduler.spec_stats
+    spec = sum((e.scheduler.spec_stats for e in engines[1:]), engines[0].scheduler.spec_stats)
     if spec.num_steps:
         result["mean_accepted_length"] = spec.mean_accepted_length
         result["acceptance_rate_per_position"] = spec.acceptance_rate_per_position
@@ -117,7 +123,7 @@ def _bench(args: argparse.Namespace) -> None:
               + ", ".join(f"{r:.2f}" for r in spec.acceptance_rate_per_position))
     print(f"{len(outputs)} requests in {elapsed:.1f} s: {result['requests_per_s']:.2f} req/s, "
           f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s")
-    print(f"{step_times.num_steps} steps: host {result['host_ms_per_step']:.2f} ms, waiting for the device "
+    print(f"{result['num_steps']} steps: host {result['host_ms_per_step']:.2f} ms, waiting for the device "
           f"{result['device_wait_ms_per_step']:.2f} ms a step")
     for name in ("ttft_ms", "tpot_ms"):
         print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in result[name].items()))

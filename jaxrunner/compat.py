@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
 
 
@@ -37,6 +40,26 @@ def mosaic_gpu_interpreter():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
+
+
+@contextlib.contextmanager
+def mosaic_gpu_interpreter_on_several_devices() -> Iterator[None]:
+    """Kernels traced inside run through the Mosaic GPU interpreter on several devices at once (shard_map).
+
+    The interpreter's end-of-kernel check that no barrier is left allocated reads
+    every device's allocations, so on jax 0.10.2 it fails while another device's
+    kernel is still running, and that device then waits forever at the clean-up
+    barrier. Traced inside this context, kernels skip that check; single-device
+    interpretation keeps it.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    check = gpu_callbacks._assert_no_barriers_allocated
+    gpu_callbacks._assert_no_barriers_allocated = lambda token: token
+    try:
+        yield
+    finally:
+        gpu_callbacks._assert_no_barriers_allocated = check
 
 
 def is_hopper(device: jax.Device) -> bool:

@@ -150,6 +150,30 @@ class SpeculativeConfig:
             )
 
 
+@dataclasses.dataclass
+class ParallelConfig:
+    """How many devices serve the model, with vLLM's names.
+
+    ``tensor_parallel_size`` devices share one copy of the model (Megatron-style:
+    attention heads, MLP features and the vocabulary are split among them);
+    ``data_parallel_size`` such groups each run an independent engine replica,
+    and requests are spread across the replicas.
+    """
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ParallelConfig.{name} must be positive; got {getattr(self, name)}.")
+
+    @property
+    def world_size(self) -> int:
+        """Devices used in all: one mesh row of ``tensor_parallel_size`` per replica."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
 def default_cache_dir() -> str:
     return os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxrunner", "xla"
@@ -189,6 +213,7 @@ class RunnerConfig:
     scheduler_config: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
     sampler_config: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
+    parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
 
     @property

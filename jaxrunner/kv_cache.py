@@ -35,15 +35,21 @@ class KVCacheSpec:
     def block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def abstract(self, num_blocks: int) -> KVCaches:
+    def per_device(self, tensor_parallel_size: int) -> KVCacheSpec:
+        """What one device holds of every block when the KV heads are split over ``tensor_parallel_size``."""
+        return dataclasses.replace(self, num_kv_heads=self.num_kv_heads // tensor_parallel_size)
+
+    def abstract(self, num_blocks: int, sharding: jax.sharding.Sharding | None = None) -> KVCaches:
         """Shape-only stand-ins, for ahead-of-time compilation."""
-        s = jax.ShapeDtypeStruct(self.block_shape(num_blocks), self.dtype)
+        s = jax.ShapeDtypeStruct(self.block_shape(num_blocks), self.dtype, sharding=sharding)
         return [(s, s) for _ in range(self.num_layers)]
 
 
-def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int) -> KVCaches:
+def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, sharding: jax.sharding.Sharding) -> KVCaches:
+    """Zeroed caches, each device allocating only its own shard."""
     shape = spec.block_shape(num_blocks)
-    return [(jnp.zeros(shape, spec.dtype), jnp.zeros(shape, spec.dtype)) for _ in range(spec.num_layers)]
+    zeros = lambda: jnp.zeros(shape, spec.dtype, device=sharding)
+    return [(zeros(), zeros()) for _ in range(spec.num_layers)]
 
 
 def determine_num_blocks(
@@ -54,8 +60,10 @@ def determine_num_blocks(
     max_useful_blocks: int,
     extra_bytes_per_block: int = 0,
 ) -> int:
-    """Blocks that fit in what weights and the profiled activations leave.
+    """Blocks that fit in what weights and the profiled activations leave on ``device``.
 
+    ``spec`` is what one device holds of each block (``KVCacheSpec.per_device``);
+    the devices of a mesh are alike, so one device's budget sizes them all.
     On a GPU: ``bytes_limit * gpu_memory_utilization - bytes_in_use - activations``.
     Where the backend keeps no statistics (the CPU), the cache gets
     ``cpu_kv_cache_bytes``, capped at what the runner can ever address.

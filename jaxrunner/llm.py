@@ -8,26 +8,29 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import jax
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jaxrunner.builtin_models import DEFAULT_DTYPES, is_builtin, load_builtin
+from jaxrunner.builtin_models import DEFAULT_DTYPES, is_builtin
 from jaxrunner.config import (
     CacheConfig,
     CompilationConfig,
     ModelConfig,
+    ParallelConfig,
     RunnerConfig,
     SamplerConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
+from jaxrunner.data_parallel import DataParallelEngines
 from jaxrunner.interfaces import RequestOutputKind, SamplingParams
 from jaxrunner.kv_cache_manager import KVCacheManager
 from jaxrunner.llm_engine import LLMEngine
 from jaxrunner.model_runner import ModelRunner
-from jaxrunner.models import load_model
 from jaxrunner.outputs import RequestOutput
 from jaxrunner.scheduler import Scheduler
-from jaxrunner.tokenizer import load_tokenizer
+from jaxrunner.sharding import make_mesh, replica_meshes
+from jaxrunner.tokenizer import build_byte_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,11 @@ class LLM:
     ``logprobs_mode`` (vLLM's: raw_logprobs, raw_logits, processed_logprobs,
     processed_logits), ``speculative_config`` (e.g. ``{"method": "ngram",
     "num_speculative_tokens": 3}``) and ``seed``.
+
+    ``tensor_parallel_size`` splits the model over that many devices;
+    ``data_parallel_size`` runs that many independent engine replicas (each on
+    ``tensor_parallel_size`` devices of its own) and spreads the prompts across
+    them. ``llm_engine`` is the first replica.
     """
 
     def __init__(
@@ -87,6 +95,8 @@ class LLM:
         max_logprobs: int = 20,
         logprobs_mode: str = "raw_logprobs",
         speculative_config: SpeculativeConfig | dict | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         seed: int = 0,
     ):
         on_cpu = jax.default_backend() == "cpu"
@@ -96,12 +106,13 @@ class LLM:
         if on_cpu:
             token_buckets = token_buckets or _power_of_two_ladder(max_num_batched_tokens)
             request_buckets = request_buckets or _power_of_two_ladder(max_num_seqs)
+        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
+        meshes = replica_meshes(make_mesh(parallel))
         if is_builtin(model):
             dtype = DEFAULT_DTYPES[model] if dtype == "auto" else dtype
-            built, _, self.tokenizer = load_builtin(model, dtype=dtype, seed=seed)
+            self.tokenizer = build_byte_tokenizer()
         else:
             dtype = _checkpoint_dtype(model) if dtype == "auto" else dtype
-            built, _ = load_model(model, dtype=dtype)
             self.tokenizer = load_tokenizer(model)
         compilation = CompilationConfig(token_buckets=token_buckets, request_buckets=request_buckets)
         if compilation_cache_dir is not None:
@@ -122,24 +133,34 @@ class LLM:
             ),
             compilation_config=compilation,
             sampler_config=SamplerConfig(max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),
+            parallel_config=parallel,
             speculative_config=(
                 SpeculativeConfig(**speculative_config) if isinstance(speculative_config, dict) else speculative_config
             ),
         )
-        if not enable_chunked_prefill and (max_model_len or built.config.max_position_embeddings) > max_num_batched_tokens:
+        self.config = config
+        self.replicas = DataParallelEngines([self._make_engine(mesh) for mesh in meshes])
+        self.llm_engine = self.replicas.engines[0]
+        self.kv_cache_manager = self.llm_engine.scheduler.kv_cache_manager
+        if not enable_chunked_prefill and self.llm_engine.max_model_len > max_num_batched_tokens:
             logger.warning(
                 "Chunked prefill is off: prompts longer than max_num_batched_tokens (%d) can never be scheduled.",
                 max_num_batched_tokens,
             )
-        runner = ModelRunner(config)
-        runner.load_model(built)
+
+    def _make_engine(self, mesh: Mesh) -> LLMEngine:
+        """One replica: a runner on ``mesh`` (model loaded, cache sized, buckets compiled), its cache
+        manager and scheduler."""
+        config = self.config
+        runner = ModelRunner(config, mesh)
+        runner.load_model()
         num_blocks = runner.initialize_kv_cache()
         runner.capture_model()
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
+        cache = config.cache_config
+        manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching)
         lookahead = config.num_speculative_tokens if config.uses_draft_model else 0
-        scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, runner.max_model_len, lookahead)
-        self.llm_engine = LLMEngine(runner, scheduler, self.tokenizer)
-        self.config = config
+        scheduler = Scheduler(config.scheduler_config, manager, runner.max_model_len, lookahead)
+        return LLMEngine(runner, scheduler, self.tokenizer)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -155,12 +176,12 @@ class LLM:
             raise ValueError(
                 f"Got {len(sampling_params)} sampling params for {len(prompts)} prompts; give one or one each."
             )
-        engine = self.llm_engine
+        replicas = self.replicas
         ids, refused = [], {}
         for prompt, params in zip(prompts, sampling_params):
-            request_id = engine.next_request_id()
+            request_id = replicas.next_request_id()
             ids.append(request_id)
-            error = engine.add_request(request_id, prompt, params)
+            error = replicas.add_request(request_id, prompt, params)
             if error is not None:
                 refused[request_id] = error
         return ids, refused
@@ -180,7 +201,7 @@ class LLM:
         pending = len(ids) - len(finished)
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, initial=len(finished)) as bar:
             while pending:
-                for output in self.llm_engine.step(RequestOutputKind.FINAL_ONLY):
+                for output in self.replicas.step(RequestOutputKind.FINAL_ONLY):
                     if output.finished:
                         finished[output.request_id] = output
                         pending -= 1
@@ -197,7 +218,7 @@ class LLM:
         yield from refused.values()
         pending = len(ids) - len(refused)
         while pending:
-            for output in self.llm_engine.step(RequestOutputKind.DELTA):
+            for output in self.replicas.step(RequestOutputKind.DELTA):
                 pending -= output.finished
                 yield output
 

@@ -9,7 +9,6 @@ its own; it never reaches the scheduler or the runner.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Sequence
 
@@ -88,16 +87,11 @@ class LLMEngine:
         self._prompts: dict[str, _Prompt] = {}
         # Each running sequence's request id -> its prompt and its sequence.
         self._by_request_id: dict[str, tuple[_Prompt, _Sequence]] = {}
-        self._ids = itertools.count()
         # A dispatched step whose tokens are not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         self.step_times = StepTimes()
 
     # ------------------------------------------------------------- requests
-
-    def next_request_id(self) -> str:
-        """A fresh request id for ``add_request``."""
-        return str(next(self._ids))
 
     def add_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
@@ -233,6 +227,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_prompts(self) -> int:
+        """Prompts added and not finished yet (the load data parallelism balances)."""
+        return len(self._prompts)
 
     # ----------------------------------------------------------------- step
 

@@ -6,6 +6,11 @@ step (token bucket: input preparation, the model, the gather of the rows to
 sample) and the sampling step (request bucket: logits, sampling, post-update).
 Splitting by axis keeps the number of programs the sum of the ladders, not
 their product. The KV cache and the device state are donated to each program.
+
+The runner serves one mesh of ``tensor_parallel_size`` devices (one
+data-parallel replica): every program is lowered with explicit shardings, the
+parameters' from ``jaxrunner.sharding``, the KV caches split on their KV heads,
+and the device state, step inputs and outputs replicated.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxrunner import compat
 from jaxrunner.block_table import BlockTables
 from jaxrunner.buckets import CompiledPrograms, CompileCounter, make_ladder, pad_to_bucket
-from jaxrunner.config import RunnerConfig
+from jaxrunner.config import ParallelConfig, RunnerConfig
 from jaxrunner.input_batch import (
     InputBatch,
     SampleRows,
@@ -47,7 +53,7 @@ from jaxrunner.kv_cache import (
     determine_num_blocks,
     kv_cache_capacity,
 )
-from jaxrunner.models import CausalLM, TransformerConfig, load_model
+from jaxrunner.models import CausalLM, TransformerConfig
 from jaxrunner.models.loader import load_eagle_head
 from jaxrunner import step_functions
 from jaxrunner.sample.logprobs import LogprobsTensors
@@ -55,6 +61,14 @@ from jaxrunner.spec_decode.draft_model import DraftModel
 from jaxrunner.spec_decode.eagle import EagleDrafter
 from jaxrunner.step_functions import StepStatics
 from jaxrunner.sample.sampling_state import bitmask_words, check_logprobs_count, pack_sampling_params
+from jaxrunner.sharding import (
+    host_copy,
+    kv_cache_sharding,
+    make_mesh,
+    param_shardings,
+    replicated,
+    tensor_parallel_size,
+)
 from jaxrunner.states import DeviceState, RequestState, write_new_requests
 
 logger = logging.getLogger(__name__)
@@ -64,11 +78,23 @@ _PROFILE_NUM_BLOCKS = 16
 
 
 class ModelRunner:
-    """Holds the model, the KV cache and the request state; runs one step at a time."""
+    """Holds the model, the KV cache and the request state; runs one step at a time.
 
-    def __init__(self, config: RunnerConfig, device: jax.Device | None = None):
+    ``mesh`` is the replica's ``(data, model)`` mesh of one row (``jaxrunner.sharding``);
+    by default the first ``tensor_parallel_size`` devices.
+    """
+
+    def __init__(self, config: RunnerConfig, mesh: Mesh | None = None):
         self.config = config
-        self.device = device or jax.devices()[0]
+        tp = config.parallel_config.tensor_parallel_size
+        self.mesh = mesh or make_mesh(ParallelConfig(tensor_parallel_size=tp))
+        if tensor_parallel_size(self.mesh) != tp:
+            raise ValueError(
+                f"The mesh's model axis has {tensor_parallel_size(self.mesh)} devices but "
+                f"ParallelConfig.tensor_parallel_size is {tp}; give the runner one replica's mesh."
+            )
+        self.replicated = replicated(self.mesh)
+        self.kv_cache_sharding = kv_cache_sharding(self.mesh)
         self.model_config = config.model_config
         self.cache_config = config.cache_config
         self.max_num_reqs = config.scheduler_config.max_num_seqs
@@ -94,22 +120,24 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
 
     def load_model(self, model: CausalLM | None = None, draft_model: CausalLM | None = None) -> None:
-        """Load the checkpoint named by ``ModelConfig.model``, or take a built model.
+        """Load the model ``ModelConfig.model`` names (a checkpoint directory or a built-in), or take a built one.
 
         With a draft-model speculative config, ``draft_model`` (or the one the
-        config names) proposes the drafts.
+        config names) proposes the drafts. Under tensor parallelism a given model
+        must have been built for this runner's mesh (``mesh=runner.mesh``).
         """
         start = time.perf_counter()
         if model is None:
             if self.model_config.model is None:
                 raise ValueError("ModelConfig.model names no checkpoint directory, and no model was given.")
-            model, _ = load_model(self.model_config.model, dtype=self.model_config.dtype)
+            model = self._load_named(self.model_config.model)
         self.model = model
         self.model_arch: TransformerConfig = model.config
         self.vocab_size = self.model_arch.vocab_size
         self.max_model_len = self.model_config.max_model_len or self.model_arch.max_position_embeddings
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
-        self._graphdef, self.params = nnx.split(model)
+        self._graphdef, params = nnx.split(self._built_for_mesh(model))
+        self.params = self._place(params)
         self._param_leaves, self._params_treedef = jax.tree.flatten(self.params)
         cache_dtype = self.cache_config.cache_dtype
         kv_dtype = model.dtype if cache_dtype == "auto" else jnp.dtype(cache_dtype)
@@ -125,23 +153,45 @@ class ModelRunner:
             self.config.sampler_config, self.vocab_size,
         )
         self.block_tables = BlockTables(self.max_num_reqs, self.max_blocks_per_req, self.block_size)
-        self.device_state = DeviceState.zeros(
-            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
-            self.config.sampler_config, self.vocab_size, self.num_spec,
+        self.device_state = jax.device_put(
+            DeviceState.zeros(
+                self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
+                self.config.sampler_config, self.vocab_size, self.num_spec,
+            ),
+            self.replicated,
         )
         self.drafter = None
         method = None if self.config.speculative_config is None else self.config.speculative_config.method
         if method == "draft_model":
-            draft_model = draft_model or self._load_draft_model()
-            self.drafter = DraftModel.from_model(draft_model, self.block_size, kv_dtype, self.vocab_size)
+            draft_model = draft_model or self._load_named(self._draft_model_name())
+            self.drafter = DraftModel.from_model(
+                self._built_for_mesh(draft_model), self.block_size, kv_dtype, self.vocab_size
+            )
         elif method == "eagle":
-            head = draft_model or load_eagle_head(self._draft_model_name(), dtype=self.model_config.dtype)
-            self.drafter = EagleDrafter.from_head(head, self.block_size, kv_dtype, self.model_arch.hidden_size)
-        self.draft_params = None if self.drafter is None else self.drafter.params
+            head = draft_model or load_eagle_head(
+                self._draft_model_name(), dtype=self.model_config.dtype, mesh=self.mesh
+            )
+            self.drafter = EagleDrafter.from_head(
+                self._built_for_mesh(head), self.block_size, kv_dtype, self.model_arch.hidden_size
+            )
+        self.draft_params = None if self.drafter is None else self._place(self.drafter.params)
         self._draft_leaves, self._draft_params_treedef = jax.tree.flatten(self.draft_params)
         self.draft_kv_caches: KVCaches = []
         self._build_programs()
         logger.info("Model loaded in %.1f s", time.perf_counter() - start)
+
+    def _built_for_mesh(self, module: nnx.Module) -> nnx.Module:
+        """``module``, checked to shard its attention over this runner's mesh (any mesh does for one device)."""
+        if tensor_parallel_size(self.mesh) > 1 and module.mesh != self.mesh:
+            raise ValueError(
+                f"The model was built for mesh {module.mesh}, not this runner's {self.mesh}; under tensor "
+                "parallelism build it with mesh=runner.mesh (load_model, init_random_model, load_builtin)."
+            )
+        return module
+
+    def _place(self, params: nnx.State) -> nnx.State:
+        """``params`` in their shardings on this runner's mesh (already there: nothing moves)."""
+        return jax.device_put(params, param_shardings(self.mesh, params))
 
     def _draft_model_name(self) -> str:
         spec = self.config.speculative_config
@@ -149,13 +199,11 @@ class ModelRunner:
             raise ValueError(f"SpeculativeConfig.model must name the draft model for method {spec.method!r}.")
         return spec.model
 
-    def _load_draft_model(self) -> CausalLM:
-        from jaxrunner.builtin_models import is_builtin, load_builtin
+    def _load_named(self, name: str) -> CausalLM:
+        """A checkpoint directory's model, or a built-in's with random weights from the engine's seed."""
+        from jaxrunner.builtin_models import load_named_model
 
-        name = self._draft_model_name()
-        if is_builtin(name):  # random weights from the engine's seed, as the target's
-            return load_builtin(name, dtype=self.model_config.dtype, seed=self.model_config.seed)[0]
-        return load_model(name, dtype=self.model_config.dtype)[0]
+        return load_named_model(name, dtype=self.model_config.dtype, seed=self.model_config.seed, mesh=self.mesh)
 
     def profile_run(self) -> int:
         """Activation bytes of the largest steps, from XLA's memory analysis of their programs."""
@@ -172,18 +220,20 @@ class ModelRunner:
         if num_blocks is None and self.cache_config.num_gpu_blocks_override is not None:
             num_blocks = self.cache_config.num_gpu_blocks_override
         if num_blocks is None:
+            tp = tensor_parallel_size(self.mesh)
+            draft = None if self.drafter is None else self.drafter.kv_spec.per_device(tp)
             num_blocks = determine_num_blocks(
-                self.kv_cache_spec,
+                self.kv_cache_spec.per_device(tp),
                 self.cache_config,
-                self.device,
+                self.mesh.devices.flat[0],
                 activation_bytes=self.profile_run(),
                 max_useful_blocks=self.max_num_reqs * self.max_blocks_per_req + 1,
-                extra_bytes_per_block=0 if self.drafter is None else self.drafter.kv_spec.bytes_per_block,
+                extra_bytes_per_block=0 if draft is None else draft.bytes_per_block,
             )
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks)
+        self.kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks, self.kv_cache_sharding)
         if self.drafter is not None:
-            self.draft_kv_caches = allocate_kv_caches(self.drafter.kv_spec, num_blocks)
+            self.draft_kv_caches = allocate_kv_caches(self.drafter.kv_spec, num_blocks, self.kv_cache_sharding)
         logger.info("KV cache: %s", kv_cache_capacity(self.kv_cache_spec, num_blocks))
         return num_blocks
 
@@ -214,7 +264,12 @@ class ModelRunner:
         )
 
     def _abstract(self, tree: Any) -> Any:
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+        """Shape, dtype and sharding of every array in ``tree``."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+    def _input(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        """A step input from the host: replicated over the mesh."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
 
     def _build_programs(self) -> None:
         statics = StepStatics(
@@ -227,22 +282,26 @@ class ModelRunner:
         self._forward_programs = CompiledPrograms(
             "forward", lambda b: self._lower_forward(b, self.num_blocks)
         )
+        # Outputs keep the inputs' layout: caches split on KV heads, everything else replicated.
+        cache, whole = self.kv_cache_sharding, self.replicated
         sample_jit = jax.jit(
-            functools.partial(step_functions.sample_step, statics), static_argnames="num_rows", donate_argnums=(2, 5)
+            functools.partial(step_functions.sample_step, statics), static_argnames="num_rows",
+            donate_argnums=(2, 5), out_shardings=(cache, whole, whole, whole),
         )
         write_jit = jax.jit(
-            functools.partial(write_new_requests, layout=self.req_states.layout), donate_argnums=(0,)
+            functools.partial(write_new_requests, layout=self.req_states.layout), donate_argnums=(0,),
+            out_shardings=whole,
         )
-        prompt_logprobs_jit = jax.jit(functools.partial(step_functions.prompt_logprobs, statics))
+        prompt_logprobs_jit = jax.jit(functools.partial(step_functions.prompt_logprobs, statics), out_shardings=whole)
         words = bitmask_words(self.vocab_size)
-        hidden_spec = jax.ShapeDtypeStruct(
-            (self.max_num_reqs, self.num_spec + 1, self.model_arch.hidden_size), self.model.dtype
+        hidden_spec = self._input((self.max_num_reqs, self.num_spec + 1, self.model_arch.hidden_size), self.model.dtype)
+        rows_spec = jax.tree.map(
+            lambda a: self._input(a.shape, a.dtype), SampleRows.abstract(self.max_num_reqs, self.num_spec)
         )
-        rows_spec = SampleRows.abstract(self.max_num_reqs, self.num_spec)
         self._sample_lower = lambda b, num_blocks: sample_jit.lower(
             self._abstract(self._param_leaves), self._abstract(self._draft_leaves),
             self._abstract_draft_kv(num_blocks), hidden_spec, rows_spec, self._abstract(self.device_state),
-            jax.ShapeDtypeStruct((b, words), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
+            self._input((b, words), jnp.int32), self._input((b,), jnp.bool_),
             num_rows=b,
         )
         self._sample_programs = CompiledPrograms("sample", lambda b: self._sample_lower(b, self.num_blocks))
@@ -250,38 +309,38 @@ class ModelRunner:
         self._prompt_logprob_programs = CompiledPrograms(
             "prompt_logprobs",
             lambda b: prompt_logprobs_jit.lower(
-                self._abstract(self._param_leaves),
-                jax.ShapeDtypeStruct((b, self.model_arch.hidden_size), self.model.dtype),
-                jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+                self._abstract(self._param_leaves), self._input((b, self.model_arch.hidden_size), self.model.dtype),
+                self._input((b,), jnp.int32), self._input((b,), jnp.int32),
             ),
         )
         self._no_grammar = {
-            b: (jax.device_put(np.zeros((b, words), np.int32)), jax.device_put(np.zeros(b, np.bool_)))
+            b: jax.device_put((np.zeros((b, words), np.int32), np.zeros(b, np.bool_)), whole)
             for b in self.request_buckets
         }
         self._write_programs = CompiledPrograms(
             "write_new_requests",
             lambda b: write_jit.lower(
-                self._abstract(self.device_state),
-                jax.ShapeDtypeStruct((b, self.req_states.row_words), jnp.int32),
+                self._abstract(self.device_state), self._input((b, self.req_states.row_words), jnp.int32)
             ),
         )
 
     def _abstract_draft_kv(self, num_blocks: int) -> KVCaches:
-        return [] if self.drafter is None else self.drafter.kv_spec.abstract(num_blocks)
+        return [] if self.drafter is None else self.drafter.kv_spec.abstract(num_blocks, self.kv_cache_sharding)
 
     def _lower_forward(self, num_tokens: int, num_blocks: int) -> jax.stages.Lowered:
         shape = self._step_shape(num_tokens)
+        cache, whole = self.kv_cache_sharding, self.replicated
         forward_jit = jax.jit(
-            functools.partial(self._forward_fn, shape=shape), donate_argnums=(2, 3, 4)
+            functools.partial(self._forward_fn, shape=shape), donate_argnums=(2, 3, 4),
+            out_shardings=(cache, cache, whole, whole, whole, whole),
         )
         return forward_jit.lower(
             self._abstract(self._param_leaves),
             self._abstract(self._draft_leaves),
-            self.kv_cache_spec.abstract(num_blocks),
+            self.kv_cache_spec.abstract(num_blocks, cache),
             self._abstract_draft_kv(num_blocks),
             self._abstract(self.device_state),
-            jax.ShapeDtypeStruct((shape.buffer_words,), jnp.int32),
+            self._input((shape.buffer_words,), jnp.int32),
         )
 
     # ------------------------------------------------------------ request state
@@ -476,7 +535,7 @@ class ModelRunner:
             targets[start : start + end - first] = prompt[first + 1 : end + 1]
             counts[start : start + end - first] = k + 1
         out = self._prompt_logprob_programs.get(size)(self._param_leaves, hidden, targets, counts)
-        ids, lps, ranks = (np.asarray(a) for a in (out.token_ids, out.logprobs, out.ranks))
+        ids, lps, ranks = (host_copy(a) for a in (out.token_ids, out.logprobs, out.ranks))
         result = {}
         for req_id, start, first, end, _, k in spans:
             rows = slice(start, start + end - first)
@@ -509,7 +568,7 @@ class _PendingOutput(AsyncModelRunnerOutput):
         start = time.perf_counter()
         self.tokens.block_until_ready()
         self.runner.device_wait_s += time.perf_counter() - start
-        rows = np.asarray(self.tokens)[: batch.num_reqs].tolist()
+        rows = host_copy(self.tokens)[: batch.num_reqs].tolist()
         sampled = [[t for t in row if t >= 0] if s else [] for row, s in zip(rows, batch.is_sampling_np)]
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
@@ -523,8 +582,8 @@ class _PendingOutput(AsyncModelRunnerOutput):
         """Sample logprobs of the rows that sampled."""
         keep = np.flatnonzero(self.batch.is_sampling_np)
         return LogprobsLists(
-            logprob_token_ids=np.asarray(self.logprobs.token_ids)[keep],
-            logprobs=np.asarray(self.logprobs.logprobs)[keep],
-            sampled_token_ranks=np.asarray(self.logprobs.ranks)[keep],
+            logprob_token_ids=host_copy(self.logprobs.token_ids)[keep],
+            logprobs=host_copy(self.logprobs.logprobs)[keep],
+            sampled_token_ranks=host_copy(self.logprobs.ranks)[keep],
             cu_num_generated_tokens=np.concatenate([[0], np.cumsum(self.batch.is_sampling_np)]).tolist(),
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterable
 
@@ -41,6 +42,15 @@ class SpecDecodingStats:
             counts.extend([0] * (n - len(counts)))
             for j in range(n):
                 counts[j] += 1
+
+    def __add__(self, other: SpecDecodingStats) -> SpecDecodingStats:
+        """Both replicas' counts together."""
+        add_lists = lambda a, b: [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
+        return SpecDecodingStats(
+            self.num_steps + other.num_steps, self.num_drafts + other.num_drafts,
+            self.num_accepted + other.num_accepted, add_lists(self.drafted_at, other.drafted_at),
+            add_lists(self.accepted_at, other.accepted_at),
+        )
 
     @property
     def mean_accepted_length(self) -> float:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from jaxrunner.models.transformer import DecoderLayer, KVCache, TransformerConfig, run_layers
+from jaxrunner.models.transformer import KVCache, TransformerConfig, decoder_layers, run_layers
 from jaxrunner.ops import AttentionMetadata
+from jaxrunner.sharding import check_tensor_parallel, tensor_parallel_size
 
 
 class EagleHead(nnx.Module):
@@ -24,15 +26,18 @@ class EagleHead(nnx.Module):
     ignored_tensors = ("embed_tokens.weight",)
     lm_head = None
 
-    def __init__(self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+    def __init__(
+        self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
+    ):
+        check_tensor_parallel(config, tensor_parallel_size(mesh))
         param_dtype = dtype if param_dtype is None else param_dtype
         self.config = config
         self.dtype = dtype
+        self.mesh = mesh
         hidden = config.hidden_size
         self.fc = nnx.Linear(2 * hidden, hidden, use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.layers = nnx.List(
-            [DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for i in range(config.num_layers)]
-        )
+        self.layers = decoder_layers(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
 
     def __call__(
         self,

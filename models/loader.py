@@ -1,37 +1,47 @@
 """Builds a ``CausalLM`` from a HuggingFace model directory, or with random weights.
 
 The module is first built abstractly (shapes only, no memory), then each
-parameter is filled from the checkpoint, one tensor at a time. Checkpoint names
-are HF's: our parameter path joined with dots, with a Linear's ``kernel``
-(``[in, out]``, HF's ``weight`` transposed) and an Embed's ``embedding`` both
-called ``weight``.
+parameter is filled from the checkpoint, one tensor at a time, straight into
+its sharding on the model's mesh: each device reads only its slice of the
+memory-mapped tensor, so no device ever holds a whole sharded weight.
+Checkpoint names are HF's: our parameter path joined with dots, with a
+Linear's ``kernel`` (``[in, out]``, HF's ``weight`` transposed) and an Embed's
+``embedding`` both called ``weight``.
 """
 
+import functools
+from collections.abc import Callable
 from os import PathLike
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import transformers
 from flax import nnx
+from jax.sharding import Mesh
 
+from jaxrunner.config import ParallelConfig
 from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.registry import model_class
 from jaxrunner.models.safetensors_io import CheckpointError, checkpoint_files, iter_tensors
 from jaxrunner.models.transformer import CausalLM, TransformerConfig
+from jaxrunner.sharding import logical_axes, make_mesh, param_sharding, param_shardings
 
 _HF_LEAF_NAMES = {"kernel": "weight", "embedding": "weight"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved
 
 
 def load_model(
-    model_dir: str | PathLike, *, dtype="float32", param_dtype=None
+    model_dir: str | PathLike, *, dtype="float32", param_dtype=None, mesh: Mesh | None = None
 ) -> tuple[CausalLM, TransformerConfig]:
     """Loads ``config.json`` and the safetensors weights of a local HF model directory.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the weights' (default ``dtype``);
-    both accept names like ``"bfloat16"`` or jnp dtypes. Raises ``ValueError`` for an
-    unsupported architecture and ``CheckpointError`` for weights that do not fit.
+    both accept names like ``"bfloat16"`` or jnp dtypes. ``mesh`` (default: the first
+    device) is where the weights go, split over its ``model`` axis. Raises ``ValueError``
+    for an unsupported architecture or a layout the mesh cannot take, and
+    ``CheckpointError`` for weights that do not fit.
     """
     model_dir = Path(model_dir)
     hf_config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -39,27 +49,47 @@ def load_model(
     config = TransformerConfig.from_hf(hf_config)
     dtype = jnp.dtype(dtype)
     param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
-    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    mesh = mesh or make_mesh(ParallelConfig())
+    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), mesh=mesh))
     _fill_params(model, model_dir, param_dtype)
     return model, config
 
 
-def load_eagle_head(model_dir: str | PathLike, *, dtype="float32") -> EagleHead:
+def load_eagle_head(model_dir: str | PathLike, *, dtype="float32", mesh: Mesh | None = None) -> EagleHead:
     """An EAGLE draft head from a local checkpoint (``config.json`` of its decoder layers, safetensors)."""
     model_dir = Path(model_dir)
     hf_config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
     config = TransformerConfig.from_hf(hf_config)
     dtype = jnp.dtype(dtype)
-    head = nnx.eval_shape(lambda: EagleHead(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    mesh = mesh or make_mesh(ParallelConfig())
+    head = nnx.eval_shape(lambda: EagleHead(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0), mesh=mesh))
     _fill_params(head, model_dir, dtype)
     return head
 
 
-def init_random_model(config: TransformerConfig, *, dtype="float32", param_dtype=None, seed: int = 0) -> CausalLM:
-    """A ``CausalLM`` with Flax's default random initialisation, for benchmarks and tests."""
+def init_random_model(
+    config: TransformerConfig, *, dtype="float32", param_dtype=None, seed: int = 0, mesh: Mesh | None = None
+) -> CausalLM:
+    """A ``CausalLM`` with Flax's default random initialisation, for benchmarks and tests.
+
+    The initialisation runs under jit with each parameter's sharding on ``mesh``
+    (default: the first device) as its output sharding, so every device computes
+    only its own shard; the values are the same for any mesh.
+    """
     dtype = jnp.dtype(dtype)
     param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
-    return CausalLM(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed))
+    graphdef, init = _random_init(config, dtype, param_dtype, mesh or make_mesh(ParallelConfig()))
+    return nnx.merge(graphdef, init(jax.random.key(seed)))
+
+
+@functools.cache
+def _random_init(
+    config: TransformerConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, mesh: Mesh
+) -> tuple[nnx.GraphDef, Callable[[jax.Array], nnx.State]]:
+    """The model's graph and its parameters' initialisation from a key, jitted once per model and mesh."""
+    build = lambda key: CausalLM(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(key), mesh=mesh)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build(jax.random.key(0))))
+    return graphdef, jax.jit(lambda key: nnx.state(build(key)), out_shardings=param_shardings(mesh, abstract))
 
 
 def hf_name(path: tuple) -> str:
@@ -69,7 +99,10 @@ def hf_name(path: tuple) -> str:
 
 
 def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.dtype) -> None:
-    """Sets every parameter of the abstract ``model`` from the checkpoint, checking names and shapes."""
+    """Sets every parameter of the abstract ``model`` from the checkpoint, checking names and shapes.
+
+    Each lands in its sharding on ``model.mesh``; a padded vocabulary's extra rows are zeros.
+    """
     wanted = {hf_name(path): (path, var) for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
     loaded_from: dict[str, Path] = {}
     files = checkpoint_files(model_dir)
@@ -84,7 +117,8 @@ def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.
             if name not in wanted:
                 raise CheckpointError(f"{file}: unexpected tensor {name!r}; the model has no such parameter")
             path, var = wanted.pop(name)
-            var.set_value(_to_param(array, path[-1] == "kernel", var.get_value().shape, param_dtype, name, file))
+            sharding = param_sharding(model.mesh, path)
+            var.set_value(_to_param(array, path, var.get_value().shape, model.config, param_dtype, sharding, file))
             loaded_from[name] = file
     if wanted:
         missing = sorted(wanted)
@@ -95,11 +129,27 @@ def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.
 
 
 def _to_param(
-    array: np.ndarray, is_kernel: bool, shape: tuple[int, ...], param_dtype: jnp.dtype, name: str, file: Path
-) -> jnp.ndarray:
-    """One checkpoint tensor as a device parameter: shape-checked, cast, transposed if a kernel."""
-    hf_shape = shape[::-1] if is_kernel else shape
+    array: np.ndarray, path: tuple, shape: tuple[int, ...], config: TransformerConfig, param_dtype: jnp.dtype,
+    sharding: jax.sharding.Sharding, file: Path,
+) -> jax.Array:
+    """One checkpoint tensor as a parameter of ``shape`` in ``sharding``: shape-checked, transposed if a kernel.
+
+    ``shape`` may be the checkpoint's padded along a vocabulary axis; the padding is zeros.
+    Each device's shard is read from the memory map and cast on the host, alone.
+    """
+    is_kernel = path[-1] == "kernel"
+    unpadded = tuple(config.vocab_size if axis == "vocab" else n for axis, n in zip(logical_axes(path), shape))
+    hf_shape = unpadded[::-1] if is_kernel else unpadded
     if array.shape != hf_shape:
-        raise CheckpointError(f"{file}: tensor {name!r} has shape {array.shape}, the model expects {hf_shape}")
-    value = jnp.array(array, dtype=param_dtype)
-    return value.T if is_kernel else value
+        raise CheckpointError(f"{file}: tensor {hf_name(path)!r} has shape {array.shape}, the model expects {hf_shape}")
+    source = array.T if is_kernel else array
+    return jax.make_array_from_callback(shape, sharding, lambda index: _read_shard(source, index, shape, param_dtype))
+
+
+def _read_shard(source: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
+    """``source`` zero-padded to ``shape`` and cut at ``index``: one device's shard, in ``dtype``."""
+    bounds = [s.indices(n)[:2] for s, n in zip(index, shape)]
+    shard = np.zeros([stop - start for start, stop in bounds], dtype)
+    inside = tuple(slice(start, max(min(stop, n), start)) for (start, stop), n in zip(bounds, source.shape))
+    shard[tuple(slice(0, s.stop - s.start) for s in inside)] = source[inside]
+    return shard

@@ -8,6 +8,11 @@ transposed to ``[in, out]``, an Embed's ``embedding`` is HF's ``weight``.
 
 Tokens of all requests are packed along one axis; the paged KV cache and the
 ``AttentionMetadata`` say where each token's keys and values live.
+
+Built with a ``mesh`` (tensor parallelism, ``jaxrunner/sharding.py``), a model
+pads its vocabulary to a multiple of the ``model`` axis, runs each layer's KV
+write and attention per KV-head shard, and gathers the logits whole; XLA
+partitions the rest from the parameters' shardings.
 """
 
 import dataclasses
@@ -20,9 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float, Int
 
-from jaxrunner.ops import AttentionMetadata, ragged_paged_attention, write_kv
+from jaxrunner.ops import AttentionMetadata, write_and_attend
+from jaxrunner.sharding import RULES, check_tensor_parallel, padded_vocab_size, replicated, tensor_parallel_size
 
 KVCache = tuple[Array, Array]
 """One layer's ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
@@ -202,7 +209,9 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """GQA self-attention over the paged KV cache, with RoPE and optional q/k norm."""
 
-    def __init__(self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None
+    ):
         linear = functools.partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.q_proj = linear(config.hidden_size, q_dim, use_bias=config.attention_bias)
@@ -214,6 +223,7 @@ class Attention(nnx.Module):
         self.k_norm = norm() if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.sliding_window = config.layer_sliding_window(layer)
+        self.mesh = mesh
 
     def __call__(
         self,
@@ -230,11 +240,11 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = write_kv(*kv_cache, k, v, metadata.slot_mapping)
-        out = ragged_paged_attention(
-            q, k_cache, v_cache, metadata, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window
+        out, kv_cache = write_and_attend(
+            q, k, v, kv_cache, metadata, mesh=self.mesh, sm_scale=self.head_dim**-0.5,
+            sliding_window=self.sliding_window,
         )
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_cache, v_cache)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv_cache
 
 
 class MLP(nnx.Module):
@@ -255,10 +265,12 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None
+    ):
         norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = norm()
-        self.self_attn = Attention(config, layer, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.self_attn = Attention(config, layer, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
         self.post_attention_layernorm = norm()
         self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -271,14 +283,19 @@ class DecoderLayer(nnx.Module):
 class Backbone(nnx.Module):
     """HF's ``model``: token embedding, decoder layers and the final norm."""
 
-    def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None):
         self.embed_tokens = nnx.Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
-        self.layers = nnx.List(
-            [DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for i in range(config.num_layers)]
-        )
+        self.layers = decoder_layers(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+
+
+def decoder_layers(config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None) -> nnx.List:
+    return nnx.List(
+        [DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
+         for i in range(config.num_layers)]
+    )
 
 
 def run_layers(
@@ -304,13 +321,20 @@ class CausalLM(nnx.Module):
 
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the
     weights (default: ``dtype``). Norm statistics, RoPE and logits are float32.
+    ``mesh`` (None: one device) splits the model over its ``model`` axis; the
+    parameters' shardings come from ``jaxrunner.sharding.param_shardings``.
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs):
+    def __init__(
+        self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs,
+        mesh: Mesh | None = None,
+    ):
+        check_tensor_parallel(config, tensor_parallel_size(mesh))
         param_dtype = dtype if param_dtype is None else param_dtype
         self.config = config
         self.dtype = dtype
-        self.model = Backbone(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mesh = mesh
+        self.model = Backbone(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -318,6 +342,22 @@ class CausalLM(nnx.Module):
                 config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
             )
         )
+        self._pad_vocab(padded_vocab_size(config.vocab_size, tensor_parallel_size(mesh)))
+
+    def _pad_vocab(self, padded: int) -> None:
+        """Zero embedding rows and lm_head columns up to ``padded`` (never looked up; sliced off the logits).
+
+        Padding after the random draws keeps the real rows those of an unpadded model.
+        """
+        extra = padded - self.config.vocab_size
+        if not extra:
+            return
+        embed = self.model.embed_tokens
+        embed.embedding.set_value(jnp.pad(embed.embedding[...], ((0, extra), (0, 0))))
+        embed.num_embeddings = padded
+        if self.lm_head is not None:
+            self.lm_head.kernel.set_value(jnp.pad(self.lm_head.kernel[...], ((0, 0), (0, extra))))
+            self.lm_head.out_features = padded
 
     def __call__(
         self,
@@ -333,9 +373,17 @@ class CausalLM(nnx.Module):
         return self.model.norm(x), new_caches
 
     def compute_logits(self, hidden: Float[Array, "N E"]) -> Float[Array, "N V"]:
-        """Vocabulary logits in float32 (through the embedding when tied)."""
+        """Vocabulary logits in float32 (through the embedding when tied), whole on every device."""
         if self.lm_head is None:
             weight, spec = self.model.embed_tokens.embedding[...], "ne,ve->nv"
         else:
             weight, spec = self.lm_head.kernel[...], "ne,ev->nv"
-        return jnp.einsum(spec, hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            spec, hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=jnp.float32
+        )
+        if tensor_parallel_size(self.mesh) > 1:
+            # Each device computes its vocabulary slice, then the slices are gathered:
+            # samplers read whole rows (and no device gathers the whole weight).
+            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, RULES.spec((None, "vocab"))))
+            logits = jax.lax.with_sharding_constraint(logits, replicated(self.mesh))
+        return logits[:, : self.config.vocab_size]

@@ -10,9 +10,19 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from jax.sharding import Mesh
+
+from jaxrunner.config import (
+    CacheConfig,
+    CompilationConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from jaxrunner.model_runner import ModelRunner
+from jaxrunner.sharding import tensor_parallel_size
 
 
 def make_runner(
@@ -26,7 +36,9 @@ def make_runner(
     block_size: int = 16,
     max_model_len: int = 256,
     cache_dir: str = "",
+    mesh: Mesh | None = None,
 ) -> ModelRunner:
+    """A runner with ``model`` loaded and its KV cache allocated; ``mesh`` as the model's for TP."""
     config = RunnerConfig(
         model_config=ModelConfig(max_model_len=max_model_len, dtype=str(model.dtype)),
         cache_config=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
@@ -36,8 +48,9 @@ def make_runner(
         compilation_config=CompilationConfig(
             token_buckets=token_buckets, request_buckets=request_buckets, cache_dir=cache_dir
         ),
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size(mesh)),
     )
-    runner = ModelRunner(config)
+    runner = ModelRunner(config, mesh)
     runner.load_model(model)
     runner.initialize_kv_cache()
     return runner

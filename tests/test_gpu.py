@@ -2,11 +2,16 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from jaxrunner.config import CacheConfig
+from jaxrunner.config import CacheConfig, ParallelConfig
 from jaxrunner.kv_cache import KVCacheSpec, determine_num_blocks
+from jaxrunner.models import TransformerConfig, init_random_model
+from jaxrunner.sharding import kv_cache_sharding, make_mesh
+from packed_batch import packed_metadata
 from test_attention_reference import Case, _check, _run
+from test_model_parity import jitted_step, pack, random_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -35,3 +40,28 @@ def test_kv_cache_is_sized_from_device_memory():
                                   activation_bytes=1 << 30, max_useful_blocks=1 << 40)
     expected = (stats["bytes_limit"] * 0.5 - stats["bytes_in_use"] - (1 << 30)) // spec.bytes_per_block
     assert blocks == expected > 1000
+
+
+def test_tensor_parallel_logits_on_two_gpus():
+    """bf16 with the Mosaic GPU kernel per KV-head shard: TP=2 logits against one GPU's."""
+    if len(jax.devices("gpu")) < 2:
+        pytest.skip("needs two GPUs")
+    config = TransformerConfig(
+        vocab_size=4099, hidden_size=1024, intermediate_size=2048, num_layers=4,
+        num_heads=16, num_kv_heads=4, head_dim=128,
+    )
+    prompts = random_prompts(config.vocab_size, [300, 17, 64], seed=2)
+    metadata, positions = packed_metadata([300, 17, 64], block_size=16, num_blocks=64, num_tokens=384, num_reqs=4)
+    shape = (64, 16, config.num_kv_heads, config.head_dim)
+    logits = {}
+    for tp in (1, 2):
+        mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp))
+        model = init_random_model(config, dtype="bfloat16", seed=0, mesh=mesh)
+        caches = jax.device_put(
+            [(jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16)) for _ in range(config.num_layers)],
+            kv_cache_sharding(mesh),
+        )
+        out, _ = jitted_step(model)(pack(prompts, 384), jnp.asarray(positions), caches, metadata)
+        logits[tp] = np.asarray(out, np.float32)[:381]
+    assert np.isfinite(logits[2]).all()
+    assert np.linalg.norm(logits[2] - logits[1]) / np.linalg.norm(logits[1]) < 2e-2

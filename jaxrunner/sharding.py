@@ -1,0 +1,186 @@
+"""Tensor and data parallelism on ``jax.sharding``: the device mesh and the logical-axis rules.
+
+The mesh has two named axes. ``model`` holds the ``tensor_parallel_size``
+devices that share one copy of the model, Megatron-style: q/k/v and gate/up
+are split by output features (column parallel), o_proj and down_proj by input
+features (row parallel), the embedding and lm_head by vocabulary, and norms are
+replicated. ``data`` holds ``data_parallel_size`` such groups, one independent
+engine replica per row.
+
+Every parameter names its logical axes (``PARAM_LOGICAL_AXES``, keyed by module
+and leaf name) and ``ShardingRules`` maps logical axes to mesh axes, so a layout
+is one table to read. XLA's SPMD partitioner inserts the collectives the
+shardings imply; the KV write and attention run per KV-head shard under
+``shard_map`` (``ops/sharded_attention.py``).
+
+The mesh is built from ``jax.devices()``, every process's devices: after
+``jax.distributed.initialize`` (``jaxrunner/launch.py``) the same code lays
+the mesh over several hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxrunner.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from jaxrunner.models.transformer import TransformerConfig
+
+DATA_AXIS = "data"
+MODEL_AXIS = "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """The mesh axis that splits each logical axis; None replicates it."""
+
+    vocab: str | None = MODEL_AXIS  # embedding rows, lm_head columns (padded to a multiple of the TP size)
+    q_heads: str | None = MODEL_AXIS  # q_proj outputs, o_proj inputs
+    kv_heads: str | None = MODEL_AXIS  # k_proj / v_proj outputs, the KV cache's head axis
+    mlp: str | None = MODEL_AXIS  # gate_proj / up_proj outputs, down_proj inputs
+    embed: str | None = None  # the residual stream's features
+    head_dim: str | None = None
+
+    def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
+        return PartitionSpec(*(None if axis is None else getattr(self, axis) for axis in logical_axes))
+
+
+RULES = ShardingRules()
+
+_LINEAR_AXES = {  # a Linear's kernel is [in, out]; its bias [out]
+    "q_proj": ("embed", "q_heads"),
+    "k_proj": ("embed", "kv_heads"),
+    "v_proj": ("embed", "kv_heads"),
+    "o_proj": ("q_heads", "embed"),
+    "gate_proj": ("embed", "mlp"),
+    "up_proj": ("embed", "mlp"),
+    "down_proj": ("mlp", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "fc": (None, "embed"),  # EAGLE's projection of (token embedding, feature)
+}
+_NORM_AXES = {
+    "input_layernorm": "embed", "post_attention_layernorm": "embed", "norm": "embed",
+    "q_norm": "head_dim", "k_norm": "head_dim",
+}
+PARAM_LOGICAL_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
+    ("embed_tokens", "embedding"): ("vocab", "embed"),
+    **{(name, "kernel"): axes for name, axes in _LINEAR_AXES.items()},
+    **{(name, "bias"): axes[1:] for name, axes in _LINEAR_AXES.items()},
+    **{(name, "weight"): (axis,) for name, axis in _NORM_AXES.items()},
+}
+"""Logical axes of every parameter, by (module name, leaf name)."""
+
+KV_CACHE_LOGICAL_AXES = (None, None, "kv_heads", "head_dim")
+"""``[num_blocks, block_size, num_kv_heads, head_dim]``: each device holds its KV heads of every block."""
+
+
+def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The ``(data, model)`` mesh: ``data_parallel_size`` rows of ``tensor_parallel_size`` devices.
+
+    Takes the first devices of ``jax.devices()`` (every host's, after
+    ``jax.distributed.initialize``). Both axes are automatic: XLA propagates
+    shardings from the parameters and caches.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    tp, dp = parallel.tensor_parallel_size, parallel.data_parallel_size
+    if parallel.world_size > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size {tp} x data_parallel_size {dp} needs {parallel.world_size} devices, "
+            f"but only {len(devices)} are present ({devices[0].platform}). Lower one of them; on a CPU, "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts simulates N devices."
+        )
+    grid = np.array(devices[: parallel.world_size], dtype=object).reshape(dp, tp)
+    _check_replicas_span_processes(grid)
+    return Mesh(grid, (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _check_replicas_span_processes(grid: np.ndarray) -> None:
+    """On several hosts every process steps every replica, so each replica needs devices on every host."""
+    processes = set(range(jax.process_count()))
+    for i, row in enumerate(grid):
+        held = {d.process_index for d in row}
+        if held != processes:
+            raise ValueError(
+                f"Data-parallel replica {i} lies on hosts {sorted(held)} of {sorted(processes)}; with several "
+                "hosts every process steps every replica, so each must span all hosts. Use "
+                "data_parallel_size=1 across hosts, or run one independent jaxrunner per host."
+            )
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+    """One ``(1, tensor_parallel_size)`` mesh per data-parallel replica: the rows of ``mesh``."""
+    return [
+        Mesh(mesh.devices[i : i + 1], mesh.axis_names, axis_types=mesh.axis_types)
+        for i in range(mesh.shape[DATA_AXIS])
+    ]
+
+
+def tensor_parallel_size(mesh: Mesh | None) -> int:
+    """Devices on the ``model`` axis; 1 without a mesh."""
+    return 1 if mesh is None else mesh.shape[MODEL_AXIS]
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of ``tp``, so that every device holds an equal slice."""
+    return -(-vocab_size // tp) * tp
+
+
+def check_tensor_parallel(config: TransformerConfig, tp: int) -> None:
+    """Raise ValueError, saying what to change, when ``config`` cannot be split over ``tp`` devices."""
+    kv_heads, features = config.num_kv_heads, config.intermediate_size
+    valid = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0 and features % d == 0]
+    if kv_heads % tp:
+        replication = (
+            "; replicating KV heads over devices (tensor_parallel_size > num_kv_heads) is not supported"
+            if tp > kv_heads else ""
+        )
+        raise ValueError(
+            f"tensor_parallel_size {tp} does not divide the model's num_kv_heads ({kv_heads}): every "
+            f"device holds whole KV heads{replication}. Use a tensor_parallel_size in {valid}."
+        )
+    if features % tp:
+        raise ValueError(
+            f"tensor_parallel_size {tp} does not divide the model's intermediate_size ({features}): the "
+            f"MLP's features are split evenly over the devices. Use a tensor_parallel_size in {valid}."
+        )
+
+
+def logical_axes(path: tuple) -> tuple[str | None, ...]:
+    """The logical axes of the parameter at ``path`` (an nnx path such as ``(..., "q_proj", "kernel")``)."""
+    key = (str(path[-2]), str(path[-1]))
+    if key not in PARAM_LOGICAL_AXES:
+        raise ValueError(
+            f"No sharding rule for parameter {'.'.join(map(str, path))}; add {key} to PARAM_LOGICAL_AXES."
+        )
+    return PARAM_LOGICAL_AXES[key]
+
+
+def param_sharding(mesh: Mesh, path: tuple, rules: ShardingRules = RULES) -> NamedSharding:
+    return NamedSharding(mesh, rules.spec(logical_axes(path)))
+
+
+def param_shardings(mesh: Mesh, params: nnx.State, rules: ShardingRules = RULES) -> nnx.State:
+    """A state of ``NamedSharding``s, one per parameter: a prefix of ``params`` for jit and device_put."""
+    return nnx.map_state(lambda path, _: param_sharding(mesh, path, rules), params)
+
+
+def kv_cache_sharding(mesh: Mesh, rules: ShardingRules = RULES) -> NamedSharding:
+    return NamedSharding(mesh, rules.spec(KV_CACHE_LOGICAL_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Whole on every device of ``mesh``: device state, step inputs, logits and sampled tokens."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def host_copy(array: jax.Array) -> np.ndarray:
+    """A replicated array's value, read from this process's own copy (so several hosts work alike)."""
+    return np.asarray(array.addressable_data(0))
