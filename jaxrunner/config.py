@@ -175,6 +175,7 @@ class ParallelConfig:
 
 
 def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/jaxrunner/xla`` (``~/.cache`` without it): the persistent compilation cache."""
     return os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxrunner", "xla"
     )
@@ -218,6 +219,7 @@ class RunnerConfig:
 
     @property
     def num_speculative_tokens(self) -> int:
+        """Drafts verified per request and step; 0 without speculative decoding."""
         return 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
 
     @property

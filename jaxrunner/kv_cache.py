@@ -29,10 +29,12 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
+        """Bytes of one block's K and V over all layers."""
         per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim
         return self.num_layers * per_layer * jnp.dtype(self.dtype).itemsize
 
     def block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """One layer's K (or V) cache shape for ``num_blocks`` blocks."""
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def per_device(self, tensor_parallel_size: int) -> KVCacheSpec:

@@ -25,6 +25,7 @@ from jaxrunner import cli
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv``, start JAX's distributed runtime, then run the jaxrunner command."""
     parser = argparse.ArgumentParser(
         prog="python -m jaxrunner.launch",
         description="jax.distributed.initialize, then a jaxrunner command (generate, bench) with its flags.",

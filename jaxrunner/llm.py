@@ -163,6 +163,7 @@ class LLM:
         return LLMEngine(runner, scheduler, self.tokenizer)
 
     def get_tokenizer(self):
+        """The tokenizer prompts are encoded and outputs decoded with."""
         return self.tokenizer
 
     def _add(self, prompts: Prompt | Sequence[Prompt], sampling_params) -> tuple[list[str], dict[str, RequestOutput]]:

@@ -249,6 +249,7 @@ class ModelRunner:
 
     @property
     def num_compiled_programs(self) -> int:
+        """Programs compiled so far over all buckets (flat after ``capture_model``)."""
         return sum(
             p.num_compiled for p in (self._forward_programs, self._sample_programs, self._write_programs)
         )
@@ -346,6 +347,7 @@ class ModelRunner:
     # ------------------------------------------------------------ request state
 
     def finish_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """Free the slots of the requests the scheduler finished or preempted."""
         done = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
         for req_id in done:
             slot = self.req_states.req_id_to_index.get(req_id)
@@ -355,6 +357,7 @@ class ModelRunner:
             self._prompt_logprob_requests.pop(req_id, None)
 
     def add_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """Give new (and resumed) requests slots and block tables, and write their rows to the device."""
         for new_req in scheduler_output.scheduled_new_reqs:
             slot = self.req_states.add_request(new_req)
             k = new_req.sampling_params.prompt_logprobs
@@ -369,6 +372,7 @@ class ModelRunner:
             self.device_state = self._write_programs.get(bucket)(self.device_state, rows)
 
     def update_requests(self, scheduler_output: SchedulerOutput) -> None:
+        """Append the blocks the scheduler gave running requests this step."""
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
             if new_block_ids is None:
@@ -564,6 +568,7 @@ class _PendingOutput(AsyncModelRunnerOutput):
             array.copy_to_host_async()
 
     def get_output(self) -> ModelRunnerOutput:
+        """Wait for the step's tokens on the host and build its ``ModelRunnerOutput``."""
         batch = self.batch
         start = time.perf_counter()
         self.tokens.block_until_ready()

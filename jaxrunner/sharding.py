@@ -50,6 +50,7 @@ class ShardingRules:
     head_dim: str | None = None
 
     def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
+        """The ``PartitionSpec`` of an array with these logical axes."""
         return PartitionSpec(*(None if axis is None else getattr(self, axis) for axis in logical_axes))
 
 
@@ -164,6 +165,7 @@ def logical_axes(path: tuple) -> tuple[str | None, ...]:
 
 
 def param_sharding(mesh: Mesh, path: tuple, rules: ShardingRules = RULES) -> NamedSharding:
+    """The sharding of the parameter at ``path`` on ``mesh``."""
     return NamedSharding(mesh, rules.spec(logical_axes(path)))
 
 
@@ -173,6 +175,7 @@ def param_shardings(mesh: Mesh, params: nnx.State, rules: ShardingRules = RULES)
 
 
 def kv_cache_sharding(mesh: Mesh, rules: ShardingRules = RULES) -> NamedSharding:
+    """Every layer's K and V cache on ``mesh``: split on KV heads."""
     return NamedSharding(mesh, rules.spec(KV_CACHE_LOGICAL_AXES))
 
 

@@ -56,6 +56,7 @@ class DeviceState:
         cls, max_num_reqs: int, max_model_len: int, max_blocks: int, config: SamplerConfig, vocab_size: int,
         num_spec: int = 0,
     ) -> DeviceState:
+        """State for ``max_num_reqs`` slots, all unused."""
         return cls(
             token_ids=jnp.zeros((max_num_reqs, max_model_len), jnp.int32),
             prefill_len=jnp.zeros(max_num_reqs, jnp.int32),
@@ -110,10 +111,12 @@ class RequestState:
 
     @property
     def row_words(self) -> int:
+        """int32 words of a request's packed row."""
         return self.layout.width
 
     @property
     def num_reqs(self) -> int:
+        """Requests holding a slot."""
         return len(self.req_id_to_index)
 
     def add_request(self, new_req: NewRequestData) -> int:
@@ -162,6 +165,7 @@ class RequestState:
         return slot
 
     def remove_request(self, req_id: str) -> None:
+        """Free the request's slot; unknown ids are ignored."""
         slot = self.req_id_to_index.pop(req_id, None)
         if slot is None:
             return
@@ -179,4 +183,5 @@ class RequestState:
 
     @property
     def num_staged(self) -> int:
+        """Rows staged for the device and not written yet."""
         return len(self._staged_rows)

@@ -39,9 +39,11 @@ class StepStatics:
     sampler_config: SamplerConfig
 
     def model(self, param_leaves: list) -> nnx.Module:
+        """The model, rebuilt from its graph and the flat parameter leaves."""
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.params_treedef, param_leaves))
 
     def draft_params(self, draft_leaves: list) -> Any:
+        """The drafter's parameters, rebuilt from their flat leaves (None without a drafter)."""
         return jax.tree.unflatten(self.draft_params_treedef, draft_leaves)
 
 

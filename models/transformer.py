@@ -292,6 +292,7 @@ class Backbone(nnx.Module):
 
 
 def decoder_layers(config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None) -> nnx.List:
+    """The ``num_layers`` decoder layers of ``config``."""
     return nnx.List(
         [DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
          for i in range(config.num_layers)]
