@@ -108,7 +108,8 @@ class IncrementalDetokenizer:
         del self._window[: self._read]
         self._read = len(self._window)
         new_text = text[len(self._prefix_text) :]
-        self._prefix_text = self._decode(self._window)
+        if not final:  # nothing is emitted after the final text
+            self._prefix_text = self._decode(self._window)
         return new_text
 
     def _check_stop(self, new_chars: int) -> str | None:

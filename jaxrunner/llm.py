@@ -139,7 +139,7 @@ class LLM:
             ),
         )
         self.config = config
-        self.replicas = DataParallelEngines([self._make_engine(mesh) for mesh in meshes])
+        self.replicas = DataParallelEngines([self._make_engine(mesh, i) for i, mesh in enumerate(meshes)])
         self.llm_engine = self.replicas.engines[0]
         self.kv_cache_manager = self.llm_engine.scheduler.kv_cache_manager
         if not enable_chunked_prefill and self.llm_engine.max_model_len > max_num_batched_tokens:
@@ -148,11 +148,11 @@ class LLM:
                 max_num_batched_tokens,
             )
 
-    def _make_engine(self, mesh: Mesh) -> LLMEngine:
+    def _make_engine(self, mesh: Mesh, replica: int) -> LLMEngine:
         """One replica: a runner on ``mesh`` (model loaded, cache sized, buckets compiled), its cache
         manager and scheduler."""
         config = self.config
-        runner = ModelRunner(config, mesh)
+        runner = ModelRunner(config, mesh, replica)
         runner.load_model()
         num_blocks = runner.initialize_kv_cache()
         runner.capture_model()

@@ -223,6 +223,7 @@ class LLMEngine:
                 self.scheduler.finish_requests(
                     [s.request.request_id for s in entry.sequences], RequestStatus.FINISHED_ABORTED
                 )
+                self._release(entry)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
@@ -262,6 +263,11 @@ class LLMEngine:
             self._in_flight = (scheduler_output, runner_output)
         else:
             outputs += self._process(scheduler_output, runner_output, output_kind)
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            # Every request has finished: the step in flight only holds tokens of finished
+            # requests. Settle it now, so that nothing of it reaches requests added later.
+            outputs += self._process(*self._in_flight, output_kind)
+            self._in_flight = None
         waited = self.runner.device_wait_s - wait_before
         times = self.step_times
         times.num_steps += 1

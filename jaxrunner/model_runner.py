@@ -65,6 +65,7 @@ from jaxrunner.sharding import (
     host_copy,
     kv_cache_sharding,
     make_mesh,
+    min_over_processes,
     param_shardings,
     replicated,
     tensor_parallel_size,
@@ -84,8 +85,12 @@ class ModelRunner:
     by default the first ``tensor_parallel_size`` devices.
     """
 
-    def __init__(self, config: RunnerConfig, mesh: Mesh | None = None):
+    def __init__(self, config: RunnerConfig, mesh: Mesh | None = None, replica: int = 0):
+        """``mesh`` is one replica's ``(1, tensor_parallel_size)`` mesh (default: the first
+        devices); ``replica`` its data-parallel index: requests without a seed draw their
+        seeds from (``ModelConfig.seed``, ``replica``), so replicas do not sample alike."""
         self.config = config
+        self.replica = replica
         tp = config.parallel_config.tensor_parallel_size
         self.mesh = mesh or make_mesh(ParallelConfig(tensor_parallel_size=tp))
         if tensor_parallel_size(self.mesh) != tp:
@@ -149,17 +154,15 @@ class ModelRunner:
             dtype=kv_dtype,
         )
         self.req_states = RequestState(
-            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.model_config.seed,
+            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.model_config.seed + (self.replica << 32),
             self.config.sampler_config, self.vocab_size,
         )
         self.block_tables = BlockTables(self.max_num_reqs, self.max_blocks_per_req, self.block_size)
-        self.device_state = jax.device_put(
-            DeviceState.zeros(
-                self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
-                self.config.sampler_config, self.vocab_size, self.num_spec,
-            ),
-            self.replicated,
+        zeros = functools.partial(
+            DeviceState.zeros, self.max_num_reqs, self.max_model_len, self.max_blocks_per_req,
+            self.config.sampler_config, self.vocab_size, self.num_spec,
         )
+        self.device_state = jax.jit(zeros, out_shardings=self.replicated)()  # made in place on the mesh
         self.drafter = None
         method = None if self.config.speculative_config is None else self.config.speculative_config.method
         if method == "draft_model":
@@ -225,11 +228,12 @@ class ModelRunner:
             num_blocks = determine_num_blocks(
                 self.kv_cache_spec.per_device(tp),
                 self.cache_config,
-                self.mesh.devices.flat[0],
+                self.mesh.local_devices[0],
                 activation_bytes=self.profile_run(),
                 max_useful_blocks=self.max_num_reqs * self.max_blocks_per_req + 1,
                 extra_bytes_per_block=0 if draft is None else draft.bytes_per_block,
             )
+            num_blocks = min_over_processes(num_blocks)  # every host holds the same blocks
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks, self.kv_cache_sharding)
         if self.drafter is not None:

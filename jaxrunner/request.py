@@ -75,7 +75,7 @@ class Request:
     @property
     def is_finished(self) -> bool:
         """Whether the request has ended."""
-        return self.status in _FINISHED
+        return self.status.is_finished
 
     @property
     def finish_reason(self) -> str | None:

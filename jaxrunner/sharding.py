@@ -184,6 +184,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def min_over_processes(value: int) -> int:
+    """The smallest ``value`` of all processes (one process: ``value``): a size every host can hold."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.int32(value))))
+
+
 def host_copy(array: jax.Array) -> np.ndarray:
     """A replicated array's value, read from this process's own copy (so several hosts work alike)."""
     return np.asarray(array.addressable_data(0))

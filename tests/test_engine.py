@@ -118,6 +118,23 @@ def test_async_scheduling_overlaps_steps_and_changes_no_output(make_llm, monkeyp
     assert [len(c.token_ids) for c in got] == [p.max_tokens for p in sampled]
 
 
+def test_a_request_id_reused_after_a_stop_gets_none_of_the_old_tokens(make_llm):
+    """A request stopped by a token id while its next step was in flight: the engine settles that
+    step before it goes idle, so a later request with the same id starts clean."""
+    engine = make_llm().llm_engine
+    prompt = PROMPTS[1]
+    first = greedy_tokens(make_llm(async_scheduling=False), [prompt])[0]
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[first[2]])
+    runs = []
+    for _ in range(2):
+        engine.add_request("a", prompt, params)
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        runs.append(done[0].outputs[0].token_ids)
+    assert runs[0] == runs[1] == first[:3]
+
+
 def test_prefix_caching_hits_and_computes_fewer_tokens(make_llm):
     shared = token_prompts(1, [64])[0]
     prompts = [shared + tail for tail in token_prompts(2, [5, 9, 3, 7])]

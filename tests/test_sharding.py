@@ -227,6 +227,9 @@ def test_data_parallel_replicas_equal_one_device(tmp_path):
     err = rel_err(logprobs(spread), logprobs(single))
     print(f"TP=2 x DP=2: logprobs of the sampled tokens, relative error {err:.2e}")
     assert err < 1e-5
+    # Unseeded sampling: the same prompt on both replicas must not draw the same seeds.
+    sampled = llm.generate([prompts[0]] * 4, SamplingParams(temperature=1.0, max_tokens=8), use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in sampled}) == 4
 
 
 def test_mosaic_gpu_kernel_runs_per_kv_head_shard_in_the_interpreter():
