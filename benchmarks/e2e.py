@@ -11,7 +11,8 @@ recorded in the JSON while the rest still run:
      batch x context over its floor, (weights + KV bytes) / copy bandwidth
   c  prefill throughput (``jaxrunner bench``, output length 1) as a fraction of
      the matmul floor: the prompts' matmul and causal-attention FLOPs / time
-  d  offline throughput (``jaxrunner bench``) on each workload
+  d  offline throughput (``jaxrunner bench``) on each workload, and the engine's
+     host time per step as a share of the step's wall time
   e  the same model and workloads through HuggingFace transformers on PyTorch
      (``hf_peer.py``), as our / peer ratios
   f  start-up to the first token (``LLM(...)`` and a one-token ``generate``) with
@@ -28,16 +29,18 @@ and keeps what it measured. Writes ``e2e.json`` (rewritten after each part),
 On the H200, with the project installed (``pip install --no-deps -e .``), in two
 calls of about 9 minutes each (a ratio needs its two sides in one call):
 
-    python3 benchmarks/e2e.py --parts a b c d e --workloads 1000x128/128 --peer-max-batches 3 --out-dir $OUT
+    python3 benchmarks/e2e.py --parts a b c d e --workloads 1000x128/128 64x1000/256 --peer-max-batches 3 \
+        --peer-decode 1x1024 --budget 560 --out-dir $OUT
     python3 benchmarks/e2e.py --parts d e f --workloads 256x1000/1000 --peer-decode --budget 570 --out-dir $OUT
 
 Estimated seconds, from RESULTS.md's load and compile times and a trial of
-hf_peer.py on the H200. Call 1, about 490: a 20; b 140 (two decode_step.py
+hf_peer.py on the H200. Call 1, about 535: a 20; b 140 (two decode_step.py
 runs, each 22 s of random init and 15-40 s of compiling; 6 and 1 cases); c 105
 (the call's first bench: ~95 s of start-up with cold compiles, then 256k prompt
-tokens); d 50 (compiles cached by c); e 170 (15 s to start, 30 s to compile and
-warm up, three batches of 4.8 s, then the decode cases 1x1024 and 64x4096, a
-recompile of 35-60 s each). Call 2, about 550: d 185 (cold start-up, 1000 steps
+tokens); d 100 (two benches, compiles cached by c; 64 x 1000/256 gives the host
+share at batch 64); e 170 (15 s to start, 30 s to compile and warm up, three
+batches of 4.8 s, one batch of 64, then the decode case 1x1024, a recompile of
+35-60 s). Call 2, about 550: d 185 (cold start-up, 1000 steps
 of ~85 ms); e 215 (15 s to start, ~35 s to compile, 1000 steps of 0.159 s); f
 150 (cold ~110, warm ~40; last, so the budget cuts it first).
 
@@ -355,6 +358,8 @@ DECODE_TARGET_BATCHES = (1, 64)
 PEER_TARGET = 3.0  # our / HF output tokens per second
 PEER_TARGET_WORKLOAD = "256x1000/1000"
 WARM_START_TARGET_S = 30.0
+HOST_SHARE_TARGET = 0.15  # engine host time per step / wall time per step, at batch 64
+HOST_SHARE_TARGET_BATCH = 64
 
 
 def ok(value: dict) -> bool:
@@ -413,6 +418,12 @@ def throughput_rows(results: dict) -> list[dict]:
     for name in dict.fromkeys([*ours_all, *peer]):
         ours = ours_all.get(name, {})
         row = {"workload": name, "ours_tokens_per_s": ours.get("output_tokens_per_s")}
+        if ok(ours) and ours.get("num_steps"):
+            # Host time (scheduling, input packing, output handling) over the wall time of a step: what the
+            # device could not overlap, as async scheduling runs it. The batch is the largest one step ran.
+            step_ms = ours["elapsed_s"] / ours["num_steps"] * 1e3
+            row |= {"step_ms": step_ms, "host_ms_per_step": ours["host_ms_per_step"],
+                    "host_share": ours["host_ms_per_step"] / step_ms, "max_batch": ours["max_num_scheduled_reqs"]}
         if name in peer:
             row |= {"peer_tokens_per_s": peer[name]["output_tokens_per_s"], "peer_requests_run":
                     peer[name]["requests_run"], "peer_subset": peer[name]["subset"]}
@@ -435,6 +446,11 @@ def targets(summary: dict) -> list[str]:
     if peer:
         lines.append(f">= {PEER_TARGET:.0f}x HF output tok/s at {PEER_TARGET_WORKLOAD}: {peer['ours_over_peer']:.2f}x"
                      f"{'' if peer['ours_over_peer'] >= PEER_TARGET else ' (missed)'}")
+    for r in summary.get("throughput", []):
+        if r.get("max_batch") == HOST_SHARE_TARGET_BATCH:
+            lines.append(f"host time < {HOST_SHARE_TARGET:.0%} of the step at batch {HOST_SHARE_TARGET_BATCH} "
+                         f"({r['workload']}): {r['host_share']:.1%}"
+                         f"{'' if r['host_share'] < HOST_SHARE_TARGET else ' (missed)'}")
     warm = summary.get("startup", {}).get("warm")
     if warm:
         seconds = warm["time_to_first_token_s"]
@@ -499,10 +515,11 @@ def prefill_lines(p: dict) -> list[str]:
 
 
 def throughput_lines(rows: list[dict]) -> list[str]:
-    lines = ["(d, e) offline output tok/s: ours, HF transformers, ours / HF",
-             f"    {'workload':>15} {'ours':>8} {'HF':>8} {'ours/HF':>7}  HF requests run"]
+    lines = ["(d, e) offline output tok/s: ours, HF transformers, ours / HF; our engine's host time per step",
+             f"    {'workload':>15} {'ours':>8} {'host %':>6} {'HF':>8} {'ours/HF':>7}  HF requests run"]
     for r in rows:
         ours = f"{r['ours_tokens_per_s']:>8.0f}" if r["ours_tokens_per_s"] else f"{'-':>8}"
+        ours += f" {r['host_share']:>6.1%}" if "host_share" in r else f" {'-':>6}"
         ratio = f"{r['ours_over_peer']:>7.2f}" if "ours_over_peer" in r else f"{'-':>7}"
         subset = " (a subset)" if r.get("peer_subset") else ""
         peer = f"{r['peer_tokens_per_s']:>8.0f} {ratio}  {r['peer_requests_run']}{subset}" if r.get(

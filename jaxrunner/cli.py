@@ -111,6 +111,8 @@ def _bench(args: argparse.Namespace) -> None:
         "num_preemptions": sum(e.scheduler.num_preemptions for e in engines),
         "prefix_cache_hit_rate": prefix_cache.hit_rate,
         "kv_cache_blocks": sum(m.num_usable_blocks for m in managers),
+        "kv_cache_tokens": sum(m.num_usable_blocks * m.block_size for m in managers),
+        "max_num_scheduled_reqs": max(e.scheduler.max_num_scheduled_reqs for e in engines),
         "num_steps": sum(t.num_steps for t in step_times),
         "host_ms_per_step": sum(t.host_s for t in step_times) / steps * 1e3,
         "device_wait_ms_per_step": sum(t.wait_s for t in step_times) / steps * 1e3,
@@ -123,6 +125,8 @@ def _bench(args: argparse.Namespace) -> None:
               + ", ".join(f"{r:.2f}" for r in spec.acceptance_rate_per_position))
     print(f"{len(outputs)} requests in {elapsed:.1f} s: {result['requests_per_s']:.2f} req/s, "
           f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s")
+    print(f"KV cache: {result['kv_cache_blocks']} blocks, {result['kv_cache_tokens']} tokens; "
+          f"at most {result['max_num_scheduled_reqs']} requests in one step")
     print(f"{result['num_steps']} steps: host {result['host_ms_per_step']:.2f} ms, waiting for the device "
           f"{result['device_wait_ms_per_step']:.2f} ms a step")
     for name in ("ttft_ms", "tpot_ms"):

@@ -82,6 +82,7 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.num_scheduled_tokens_total = 0
+        self.max_num_scheduled_reqs = 0  # the largest batch of one step, to show what concurrency ran
         self.spec_stats = SpecDecodingStats()
 
     # ------------------------------------------------------------- requests
@@ -205,6 +206,7 @@ class Scheduler:
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
         self.num_scheduled_tokens_total += sum(num_scheduled.values())
+        self.max_num_scheduled_reqs = max(self.max_num_scheduled_reqs, len(num_scheduled))
         finished, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
