@@ -140,8 +140,8 @@ def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, 
     return times
 
 
-def build_runner(shape: str, batches: list[int], max_context: int, steps: int) -> ModelRunner:
-    """A runner on a random-weight model of ``shape``, buckets exactly ``batches``, a random KV cache."""
+def build_runner(model: TransformerConfig, batches: list[int], max_context: int, steps: int) -> ModelRunner:
+    """A runner on a random-weight ``model``, buckets exactly ``batches``, a random KV cache."""
     max_batch = max(batches)
     max_model_len = max_context + steps + 16
     config = RunnerConfig(
@@ -153,7 +153,7 @@ def build_runner(shape: str, batches: list[int], max_context: int, steps: int) -
                                              request_buckets=sorted(set(batches))),
     )
     runner = ModelRunner(config)
-    runner.load_model(init_random_model(SHAPES[shape], dtype="bfloat16", seed=0))
+    runner.load_model(init_random_model(model, dtype="bfloat16", seed=0))
     runner.initialize_kv_cache()
     runner.kv_caches = fill_random(runner.kv_caches)
     return runner
@@ -172,7 +172,7 @@ def main() -> None:
     device = jax.devices()[0]
     floors = measure_floors(args.floor_elements)
     start = time.perf_counter()
-    runner = build_runner(args.shape, args.batches, max(args.contexts), args.steps)
+    runner = build_runner(SHAPES[args.shape], args.batches, max(args.contexts), args.steps)
     load_s = time.perf_counter() - start
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
     compile_s = runner.capture_model()

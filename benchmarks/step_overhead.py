@@ -1,0 +1,133 @@
+"""Where a decode step's fixed cost goes: the host's Python, the launch of the step's kernels, or the device.
+
+The model is Llama-3-8B's structure (32 layers, 32 query / 8 KV heads of 128,
+128k vocabulary) with narrow matrices (hidden 512, MLP 1024), so that its
+weights take microseconds to read and a decode step's time is what every step
+pays whatever the model's width. For each batch it reports, in one process:
+
+- the step time, pipelined and one step at a time (as ``decode_step.py``);
+- the dispatch time of the step's two programs (forward, sample): how long the
+  calls take to return, and their device time when dispatched back to back;
+- the kernels XLA launches per forward step: the optimized HLO's fusions,
+  custom calls and command buffers (CUDA graphs) in the entry computation;
+- a cProfile of the pipelined steps: the functions that took the host's time.
+
+Run it under different ``XLA_FLAGS`` or ``JAXRUNNER_ATTENTION_IMPL`` to compare:
+
+    python benchmarks/step_overhead.py --out step_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import collections
+import io
+import json
+import os
+import pstats
+import re
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from decode_step import build_runner, time_decode
+from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from jaxrunner.models import TransformerConfig
+
+NARROW_LLAMA3 = TransformerConfig(
+    vocab_size=128256, hidden_size=512, intermediate_size=1024, num_layers=32,
+    num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+)
+
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "s64": 8}
+
+
+def hlo_op_counts(hlo_text: str) -> dict[str, int]:
+    """Kernel-launching instructions of the optimized module's entry computation, and the bytes its copies write."""
+    entry = hlo_text[hlo_text.index("\nENTRY "):]
+    entry = entry[: entry.index("\n}")]
+    counts = collections.Counter()
+    for line in entry.splitlines():
+        match = re.search(r"=\s*(\S+)\s+(fusion|custom-call|call|while|conditional|copy|scatter|all-reduce)\(", line)
+        if not match:
+            continue
+        kind = "command_buffer" if match[2] == "call" and "command_buffer" in line else match[2]
+        counts[kind] += 1
+        array = re.fullmatch(r"(\w+)\[([\d,]*)\].*", match[1])
+        if kind == "copy" and array and array[1] in DTYPE_BYTES:
+            counts["copy_bytes"] += DTYPE_BYTES[array[1]] * int(np.prod([int(d) for d in array[2].split(",") if d]))
+    return dict(counts)
+
+
+def dispatch_times(runner, batch: int, context: int, calls: int) -> dict[str, float]:
+    """Seconds for the step's forward and sample calls to return, and per call when run back to back."""
+    ids = [f"d{batch}r{i}" for i in range(batch)]
+    rng = np.random.default_rng(1)
+    blocks_per_req = -(-(context + calls + 2) // runner.block_size)
+    new = [NewRequestData(r, rng.integers(0, runner.vocab_size, context).tolist(), SamplingParams(temperature=0.0),
+                          (list(range(i * blocks_per_req, (i + 1) * blocks_per_req)),), context - 1)
+           for i, r in enumerate(ids)]
+    runner.execute_model(SchedulerOutput(new, CachedRequestData(), {r: 1 for r in ids}, batch))
+    runner.sample_tokens(None).get_output()
+    returned, outputs = [], []
+    start = time.perf_counter()
+    for step in range(calls):
+        cached = CachedRequestData(ids, [context + step] * batch, [None] * batch)
+        begin = time.perf_counter()
+        runner.execute_model(SchedulerOutput([], cached, {r: 1 for r in ids}, batch))
+        outputs.append(runner.sample_tokens(None))
+        returned.append(time.perf_counter() - begin)
+    for out in outputs:
+        out.get_output()
+    total = time.perf_counter() - start
+    runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(ids)))
+    return {"dispatch_ms": statistics.median(returned) * 1e3, "back_to_back_ms": total / calls * 1e3}
+
+
+def profile_steps(runner, batch: int, context: int, steps: int) -> str:
+    """The pipelined steps under cProfile: the top functions by their own time."""
+    profiler = cProfile.Profile()
+    rng = np.random.default_rng(2)
+    profiler.enable()
+    time_decode(runner, batch, context, steps, rng, True)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+    return text.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", default="step_overhead.json")
+    args = parser.parse_args()
+
+    runner = build_runner(NARROW_LLAMA3, args.batches, args.context, 2 * args.steps)
+    runner.capture_model()
+    variant = {k: os.environ.get(k, "") for k in ("XLA_FLAGS", "JAXRUNNER_ATTENTION_IMPL")}
+    rows = []
+    for batch in args.batches:
+        rng = np.random.default_rng(0)
+        row = {"batch": batch, "context": args.context,
+               "step_ms": statistics.median(time_decode(runner, batch, args.context, args.steps, rng, True)[3:]) * 1e3,
+               "one_at_a_time_ms": statistics.median(
+                   time_decode(runner, batch, args.context, args.steps, rng, False)[3:]) * 1e3,
+               **dispatch_times(runner, batch, args.context, args.steps),
+               "forward_hlo": hlo_op_counts(runner._forward_programs.get(batch).as_text()),
+               "host_profile": profile_steps(runner, batch, args.context, args.steps)}
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "host_profile"}), flush=True)
+        print(row["host_profile"], flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, **variant, "rows": rows}, f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()
