@@ -6,13 +6,17 @@ weights take microseconds to read and a decode step's time is what every step
 pays whatever the model's width. For each batch it reports, in one process:
 
 - the step time, pipelined and one step at a time (as ``decode_step.py``);
-- the dispatch time of the step's two programs (forward, sample): how long the
-  calls take to return, and their device time when dispatched back to back;
-- the kernels XLA launches per forward step: the optimized HLO's fusions,
-  custom calls and command buffers (CUDA graphs) in the entry computation;
+- how long the step's two program calls (forward, sample) take to return, and
+  the time per step when steps are dispatched back to back;
+- the kernel-launching instructions of both programs' optimized HLO entry
+  computations (fusions, custom calls, conditionals, loops); XLA forms its CUDA
+  graphs (command buffers) later, from the thunks, so they do not show here;
 - a cProfile of the pipelined steps: the functions that took the host's time.
 
-Run it under different ``XLA_FLAGS`` or ``JAXRUNNER_ATTENTION_IMPL`` to compare:
+Run it under different ``XLA_FLAGS``, ``PJRT_GPU_ENABLE_ASYNC_DISPATCH`` (the
+PjRt GPU client launches on a thread of its own) or ``JAXRUNNER_ATTENTION_IMPL``
+to compare; each run needs about two minutes on the H200 (random init and
+compiling):
 
     python benchmarks/step_overhead.py --out step_overhead.json
 """
@@ -52,7 +56,9 @@ def hlo_op_counts(hlo_text: str) -> dict[str, int]:
     entry = entry[: entry.index("\n}")]
     counts = collections.Counter()
     for line in entry.splitlines():
-        match = re.search(r"=\s*(\S+)\s+(fusion|custom-call|call|while|conditional|copy|scatter|all-reduce)\(", line)
+        # The result type may be a tuple with spaces: "(bf16[..], f32[..]) custom-call(".
+        match = re.search(r"=\s*(\(.*?\)|\S+)\s+(fusion|custom-call|call|while|conditional|copy|scatter|all-reduce)\(",
+                          line)
         if not match:
             continue
         kind = "command_buffer" if match[2] == "call" and "command_buffer" in line else match[2]
@@ -64,7 +70,9 @@ def hlo_op_counts(hlo_text: str) -> dict[str, int]:
 
 
 def dispatch_times(runner, batch: int, context: int, calls: int) -> dict[str, float]:
-    """Seconds for the step's forward and sample calls to return, and per call when run back to back."""
+    """Milliseconds for the step's forward call (``execute_model``) and sample call (``sample_tokens``) to
+    return, and per step when steps are dispatched back to back: a call that holds the host until the
+    device catches up (a host-side conditional or loop) shows as a call as long as the device's work."""
     ids = [f"d{batch}r{i}" for i in range(batch)]
     rng = np.random.default_rng(1)
     blocks_per_req = -(-(context + calls + 2) // runner.block_size)
@@ -73,19 +81,22 @@ def dispatch_times(runner, batch: int, context: int, calls: int) -> dict[str, fl
            for i, r in enumerate(ids)]
     runner.execute_model(SchedulerOutput(new, CachedRequestData(), {r: 1 for r in ids}, batch))
     runner.sample_tokens(None).get_output()
-    returned, outputs = [], []
+    forward, sample, outputs = [], [], []
     start = time.perf_counter()
     for step in range(calls):
         cached = CachedRequestData(ids, [context + step] * batch, [None] * batch)
         begin = time.perf_counter()
         runner.execute_model(SchedulerOutput([], cached, {r: 1 for r in ids}, batch))
+        middle = time.perf_counter()
         outputs.append(runner.sample_tokens(None))
-        returned.append(time.perf_counter() - begin)
+        forward.append(middle - begin)
+        sample.append(time.perf_counter() - middle)
     for out in outputs:
         out.get_output()
     total = time.perf_counter() - start
     runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(ids)))
-    return {"dispatch_ms": statistics.median(returned) * 1e3, "back_to_back_ms": total / calls * 1e3}
+    return {"forward_call_ms": statistics.median(forward) * 1e3, "sample_call_ms": statistics.median(sample) * 1e3,
+            "back_to_back_ms": total / calls * 1e3}
 
 
 def profile_steps(runner, batch: int, context: int, steps: int) -> str:
@@ -110,7 +121,8 @@ def main() -> None:
 
     runner = build_runner(NARROW_LLAMA3, args.batches, args.context, 2 * args.steps)
     runner.capture_model()
-    variant = {k: os.environ.get(k, "") for k in ("XLA_FLAGS", "JAXRUNNER_ATTENTION_IMPL")}
+    variant = {k: os.environ.get(k, "") for k in ("XLA_FLAGS", "PJRT_GPU_ENABLE_ASYNC_DISPATCH",
+                                                  "JAXRUNNER_ATTENTION_IMPL")}
     rows = []
     for batch in args.batches:
         rng = np.random.default_rng(0)
@@ -120,6 +132,7 @@ def main() -> None:
                    time_decode(runner, batch, args.context, args.steps, rng, False)[3:]) * 1e3,
                **dispatch_times(runner, batch, args.context, args.steps),
                "forward_hlo": hlo_op_counts(runner._forward_programs.get(batch).as_text()),
+               "sample_hlo": hlo_op_counts(runner._sample_programs.get(batch).as_text()),
                "host_profile": profile_steps(runner, batch, args.context, args.steps)}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "host_profile"}), flush=True)

@@ -17,8 +17,11 @@ IMPL_ENV_VAR = "JAXRUNNER_ATTENTION_IMPL"
 """Environment flag forcing an implementation for every call that passes no ``impl``."""
 
 
-def _pick_impl(q: Array, k_cache: Array, impl: str | None) -> str:
-    """``impl``, else the flag, else the Mosaic GPU kernel on Hopper where it applies, else the reference."""
+def pick_impl(q: Array, k_cache: Array, impl: str | None) -> str:
+    """``impl``, else the flag, else the Mosaic GPU kernels on Hopper where they apply, else the reference.
+
+    One choice for a layer's KV write and attention, so that a forced implementation forces both.
+    """
     impl = impl or os.environ.get(IMPL_ENV_VAR) or None
     if impl not in (None, *IMPLEMENTATIONS):
         raise ValueError(
@@ -51,7 +54,7 @@ def ragged_paged_attention(
     bf16/fp16 caches it supports, and the pure-JAX reference otherwise.
     """
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if _pick_impl(q, k_cache, impl) == "reference":
+    if pick_impl(q, k_cache, impl) == "reference":
         return ragged_paged_attention_reference(q, k_cache, v_cache, metadata, **kwargs)
     interpret = None if jax.devices()[0].platform == "gpu" else mosaic_gpu_interpreter()
     return ragged_paged_attention_mgpu(q, k_cache, v_cache, metadata, interpret=interpret, **kwargs)

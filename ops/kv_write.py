@@ -1,7 +1,11 @@
-"""Write the current step's keys and values into the paged KV cache."""
+"""Write the current step's keys and values into the paged KV cache: XLA's scatter or the Mosaic GPU kernel."""
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+from jaxrunner.compat import mosaic_gpu_interpreter
+from jaxrunner.ops.kv_write_mgpu import write_kv_mgpu
 
 Cache = Float[Array, "num_blocks block_size num_kv_heads head_dim"]
 NewKV = Float[Array, "num_tokens num_kv_heads head_dim"]
@@ -28,13 +32,22 @@ def write_kv(
     k_new: NewKV,
     v_new: NewKV,
     slot_mapping: Int[Array, "num_tokens"],
+    *,
+    impl: str = "reference",
 ) -> tuple[Cache, Cache]:
-    """Scatter one layer's new K/V rows into its caches and return the updated caches.
+    """Write one layer's new K/V rows into its caches and return the updated caches.
 
     Slot ``s`` is offset ``s % block_size`` of block ``s // block_size``; padded
     tokens (slot -1) are never written. New values are cast to the cache dtype.
-    Under ``jit`` with the caches donated, XLA updates them in place.
+    Under ``jit`` with the caches donated, either implementation updates them in
+    place. ``impl`` "reference" is XLA's scatter; "mosaic_gpu" the kernel of
+    :mod:`jaxrunner.ops.kv_write_mgpu` (through its interpreter off a GPU).
     """
+    if impl == "mosaic_gpu":
+        interpret = None if jax.devices()[0].platform == "gpu" else mosaic_gpu_interpreter()
+        return write_kv_mgpu(k_cache, v_cache, k_new, v_new, slot_mapping, interpret=interpret)
+    if impl != "reference":
+        raise ValueError(f"unknown KV write impl {impl!r}; valid: 'reference', 'mosaic_gpu'")
     return (
         _scatter_slots(k_cache, k_new, slot_mapping),
         _scatter_slots(v_cache, v_new, slot_mapping),

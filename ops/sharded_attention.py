@@ -3,7 +3,7 @@
 With a mesh whose ``model`` axis has several devices, each device holds its
 slice of the KV heads (and of the query heads that read them) and its slice of
 every cache block. ``shard_map`` runs the write and the attention op (the
-pure-JAX reference or the Mosaic GPU kernel) on each device's own heads, with
+pure-JAX reference or the Mosaic GPU kernels) on each device's own heads, with
 no communication: a query head's KV head always lives on its device. Without
 such a mesh both run as they are.
 """
@@ -12,7 +12,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float
 
-from jaxrunner.ops.attention import ragged_paged_attention
+from jaxrunner.ops.attention import pick_impl, ragged_paged_attention
 from jaxrunner.ops.attention_metadata import AttentionMetadata
 from jaxrunner.ops.kv_write import Cache, write_kv
 from jaxrunner.sharding import KV_CACHE_LOGICAL_AXES, RULES, tensor_parallel_size
@@ -40,8 +40,10 @@ def write_and_attend(
     """
 
     def local(q, k, v, k_cache, v_cache, metadata):
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
-        return ragged_paged_attention(q, k_cache, v_cache, metadata, **attention_options), k_cache, v_cache
+        impl = pick_impl(q, k_cache, attention_options.get("impl"))
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, metadata.slot_mapping, impl=impl)
+        attended = ragged_paged_attention(q, k_cache, v_cache, metadata, **{**attention_options, "impl": impl})
+        return attended, k_cache, v_cache
 
     if tensor_parallel_size(mesh) > 1:
         # The kernel declares no varying mesh axes, so the replication check is off.
