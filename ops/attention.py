@@ -17,17 +17,20 @@ IMPL_ENV_VAR = "JAXRUNNER_ATTENTION_IMPL"
 """Environment flag forcing an implementation for every call that passes no ``impl``."""
 
 
-def pick_impl(q: Array, k_cache: Array, impl: str | None) -> str:
-    """``impl``, else the flag, else the Mosaic GPU kernels on Hopper where they apply, else the reference.
-
-    One choice for a layer's KV write and attention, so that a forced implementation forces both.
-    """
+def forced_impl(impl: str | None) -> str | None:
+    """The implementation forced by ``impl`` or ``$JAXRUNNER_ATTENTION_IMPL``, checked; None when neither is set."""
     impl = impl or os.environ.get(IMPL_ENV_VAR) or None
     if impl not in (None, *IMPLEMENTATIONS):
         raise ValueError(
             f"unknown attention impl {impl!r} (argument or ${IMPL_ENV_VAR}); "
             f"valid: None, {', '.join(map(repr, IMPLEMENTATIONS))}"
         )
+    return impl
+
+
+def pick_impl(q: Array, k_cache: Array, impl: str | None) -> str:
+    """The forced implementation, else the Mosaic GPU kernel on Hopper where it applies, else the reference."""
+    impl = forced_impl(impl)
     if impl is None:
         fits = kernel_supports(q.dtype, q.shape[-1], k_cache.shape[1])
         impl = "mosaic_gpu" if fits and is_hopper(jax.devices()[0]) else "reference"

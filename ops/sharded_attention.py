@@ -12,7 +12,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float
 
-from jaxrunner.ops.attention import pick_impl, ragged_paged_attention
+from jaxrunner.ops.attention import forced_impl, ragged_paged_attention
 from jaxrunner.ops.attention_metadata import AttentionMetadata
 from jaxrunner.ops.kv_write import Cache, write_kv
 from jaxrunner.sharding import KV_CACHE_LOGICAL_AXES, RULES, tensor_parallel_size
@@ -39,11 +39,13 @@ def write_and_attend(
     the updated ``(k_cache, v_cache)``, sharded as they came in.
     """
 
+    # The KV write kernel runs only where an implementation is forced (the argument or the flag): it has not
+    # yet run on an H200, so the automatic choice keeps XLA's scatter.
+    kv_write_impl = forced_impl(attention_options.get("impl")) or "reference"
+
     def local(q, k, v, k_cache, v_cache, metadata):
-        impl = pick_impl(q, k_cache, attention_options.get("impl"))
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, metadata.slot_mapping, impl=impl)
-        attended = ragged_paged_attention(q, k_cache, v_cache, metadata, **{**attention_options, "impl": impl})
-        return attended, k_cache, v_cache
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, metadata.slot_mapping, impl=kv_write_impl)
+        return ragged_paged_attention(q, k_cache, v_cache, metadata, **attention_options), k_cache, v_cache
 
     if tensor_parallel_size(mesh) > 1:
         # The kernel declares no varying mesh axes, so the replication check is off.
