@@ -16,9 +16,12 @@ pays whatever the model's width. For each batch it reports, in one process:
 Run it under different ``XLA_FLAGS``, ``PJRT_GPU_ENABLE_ASYNC_DISPATCH`` (the
 PjRt GPU client launches on a thread of its own) or ``JAXRUNNER_ATTENTION_IMPL``
 to compare; each run needs about two minutes on the H200 (random init and
-compiling):
+compiling). With ``--xla_dump_to=DIR`` in ``XLA_FLAGS``, ``--thunk-dump DIR``
+adds each dumped program's thunks by kind (``kCommandBuffer`` is a CUDA graph;
+a ``kConditional`` or ``kWhile`` outside one makes the host wait for the device):
 
     python benchmarks/step_overhead.py --out step_overhead.json
+    XLA_FLAGS=--xla_dump_to=/tmp/dump python benchmarks/step_overhead.py --thunk-dump /tmp/dump
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import pstats
 import re
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -67,6 +71,14 @@ def hlo_op_counts(hlo_text: str) -> dict[str, int]:
         if kind == "copy" and array and array[1] in DTYPE_BYTES:
             counts["copy_bytes"] += DTYPE_BYTES[array[1]] * int(np.prod([int(d) for d in array[2].split(",") if d]))
     return dict(counts)
+
+
+def thunk_kinds(dump_dir: str) -> dict[str, dict[str, int]]:
+    """Per dumped thunk sequence file (after XLA's thunk passes where present), its thunks counted by kind."""
+    files = sorted(Path(dump_dir).glob("*thunk_sequence*.txt"))
+    after = {f.name.replace("_after_thunk_passes", "") for f in files if "after_thunk_passes" in f.name}
+    return {f.name: dict(collections.Counter(re.findall(r"\bk[A-Z][A-Za-z0-9]+\b", f.read_text())))
+            for f in files if "after_thunk_passes" in f.name or f.name not in after}
 
 
 def dispatch_times(runner, batch: int, context: int, calls: int) -> dict[str, float]:
@@ -117,6 +129,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default="step_overhead.json")
+    parser.add_argument("--thunk-dump", help="the --xla_dump_to folder of this run: summarize its thunk sequences")
     args = parser.parse_args()
 
     runner = build_runner(NARROW_LLAMA3, args.batches, args.context, 2 * args.steps)
@@ -137,9 +150,13 @@ def main() -> None:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "host_profile"}), flush=True)
         print(row["host_profile"], flush=True)
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, **variant, "rows": rows}
+    if args.thunk_dump:
+        result["thunks"] = thunk_kinds(args.thunk_dump)
+        for name, kinds in result["thunks"].items():
+            print(name, kinds, flush=True)
     with open(args.out, "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, **variant, "rows": rows}, f,
-                  indent=1)
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
