@@ -13,15 +13,16 @@ pays whatever the model's width. For each batch it reports, in one process:
   graphs (command buffers) later, from the thunks, so they do not show here;
 - a cProfile of the pipelined steps: the functions that took the host's time.
 
-Run it under different ``XLA_FLAGS``, ``PJRT_GPU_ENABLE_ASYNC_DISPATCH`` (the
-PjRt GPU client launches on a thread of its own) or ``JAXRUNNER_ATTENTION_IMPL``
-to compare; each run needs about two minutes on the H200 (random init and
-compiling). With ``--xla_dump_to=DIR`` in ``XLA_FLAGS``, ``--thunk-dump DIR``
-adds each dumped program's thunks by kind (``kCommandBuffer`` is a CUDA graph;
-a ``kConditional`` or ``kWhile`` outside one makes the host wait for the device):
+``--variants`` runs the measurement once per named variant (``VARIANTS``: the
+PjRt GPU client launching on a thread of its own, XLA's CUDA graphs off, the
+reference attention, and a dump of XLA's thunks, summarized by kind:
+``kCommandBuffer`` is a CUDA graph; a ``kConditional`` or ``kWhile`` outside one
+makes the host wait for the device), each in a fresh process, and prints one
+table. A variant needs about two minutes on the H200 (random init, compiling),
+less where the persistent compilation cache already holds its programs:
 
     python benchmarks/step_overhead.py --out step_overhead.json
-    XLA_FLAGS=--xla_dump_to=/tmp/dump python benchmarks/step_overhead.py --thunk-dump /tmp/dump
+    python benchmarks/step_overhead.py --variants default async_dispatch thunk_dump --out-dir $OUT
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ import os
 import pstats
 import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -123,6 +127,47 @@ def profile_steps(runner, batch: int, context: int, steps: int) -> str:
     return text.getvalue()
 
 
+VARIANTS = {
+    "default": {},
+    "async_dispatch": {"PJRT_GPU_ENABLE_ASYNC_DISPATCH": "1"},
+    "no_command_buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+    "reference_attention": {"JAXRUNNER_ATTENTION_IMPL": "reference"},
+    "thunk_dump": {"XLA_FLAGS": "--xla_dump_to={dump}"},
+}
+"""Environment overrides of each variant; ``{dump}`` is the variant's dump folder."""
+
+
+def run_variants(args: argparse.Namespace) -> None:
+    """Each variant in a fresh process (the environment is read when the backend starts), then one table."""
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"{'variant':>20} {'batch':>5} {'step':>7} {'1-at-a-time':>11} {'forward call':>12} {'sample call':>11} "
+             f"{'back to back':>12}  (ms)"]
+    for name in args.variants:
+        dump = tempfile.mkdtemp(prefix=f"thunks-{name}-")
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   **{k: v.format(dump=dump) for k, v in VARIANTS[name].items()})
+        out = out_dir / f"step_overhead_{name}.json"
+        command = [sys.executable, __file__, "--batches", *map(str, args.batches), "--context", str(args.context),
+                   "--steps", str(args.steps), "--out", str(out)]
+        if "{dump}" in "".join(VARIANTS[name].values()):
+            command += ["--thunk-dump", dump]
+        with open(out_dir / f"step_overhead_{name}.log", "w") as log:
+            try:
+                code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=args.timeout).returncode
+            except subprocess.TimeoutExpired:
+                code = "timed out"
+        if code != 0 or not out.exists():
+            lines.append(f"{name:>20} failed ({code}): see step_overhead_{name}.log")
+        else:
+            lines += [f"{name:>20} {r['batch']:>5} {r['step_ms']:>7.2f} {r['one_at_a_time_ms']:>11.2f} "
+                      f"{r['forward_call_ms']:>12.2f} {r['sample_call_ms']:>11.2f} {r['back_to_back_ms']:>12.2f}"
+                      for r in json.loads(out.read_text())["rows"]]
+        print(f"{name} done", flush=True)
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
@@ -130,7 +175,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default="step_overhead.json")
     parser.add_argument("--thunk-dump", help="the --xla_dump_to folder of this run: summarize its thunk sequences")
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), help="run these variants, one process each")
+    parser.add_argument("--out-dir", default="step_overhead", help="with --variants: where each variant's JSON goes")
+    parser.add_argument("--timeout", type=float, default=240, help="with --variants: seconds each may run")
     args = parser.parse_args()
+    if args.variants:
+        run_variants(args)
+        return
 
     runner = build_runner(NARROW_LLAMA3, args.batches, args.context, 2 * args.steps)
     runner.capture_model()
