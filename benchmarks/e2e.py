@@ -11,8 +11,9 @@ recorded in the JSON while the rest still run:
      batch x context over its floor, (weights + KV bytes) / copy bandwidth
   c  prefill throughput (``jaxrunner bench``, output length 1) as a fraction of
      the matmul floor: the prompts' matmul and causal-attention FLOPs / time
-  d  offline throughput (``jaxrunner bench``) on each workload, and the engine's
-     host time per step as a share of the step's wall time
+  d  offline throughput (``jaxrunner bench``) on each workload, and the shares
+     of a step's wall time spent in the engine's host work and inside the calls
+     of the compiled programs
   e  the same model and workloads through HuggingFace transformers on PyTorch
      (``hf_peer.py``), as our / peer ratios
   f  start-up to the first token (``LLM(...)`` and a one-token ``generate``) with
@@ -419,11 +420,14 @@ def throughput_rows(results: dict) -> list[dict]:
         ours = ours_all.get(name, {})
         row = {"workload": name, "ours_tokens_per_s": ours.get("output_tokens_per_s")}
         if ok(ours) and ours.get("num_steps"):
-            # Host time (scheduling, input packing, output handling) over the wall time of a step: what the
-            # device could not overlap, as async scheduling runs it. The batch is the largest one step ran.
+            # The engine's host work (scheduling, input packing, output handling) and the time inside the
+            # compiled programs' calls (XLA launching kernels on this thread), each over the wall time of a
+            # step. The batch is the largest one step ran.
             step_ms = ours["elapsed_s"] / ours["num_steps"] * 1e3
             row |= {"step_ms": step_ms, "host_ms_per_step": ours["host_ms_per_step"],
-                    "host_share": ours["host_ms_per_step"] / step_ms, "max_batch": ours["max_num_scheduled_reqs"]}
+                    "host_share": ours["host_ms_per_step"] / step_ms,
+                    "call_share": ours["program_call_ms_per_step"] / step_ms,
+                    "max_batch": ours["max_num_scheduled_reqs"]}
         if name in peer:
             row |= {"peer_tokens_per_s": peer[name]["output_tokens_per_s"], "peer_requests_run":
                     peer[name]["requests_run"], "peer_subset": peer[name]["subset"]}
@@ -515,11 +519,12 @@ def prefill_lines(p: dict) -> list[str]:
 
 
 def throughput_lines(rows: list[dict]) -> list[str]:
-    lines = ["(d, e) offline output tok/s: ours, HF transformers, ours / HF; our engine's host time per step",
-             f"    {'workload':>15} {'ours':>8} {'host %':>6} {'HF':>8} {'ours/HF':>7}  HF requests run"]
+    lines = ["(d, e) offline output tok/s: ours, HF transformers, ours / HF; per step of ours, the share of the",
+             "       engine's host work and of the calls into the compiled programs",
+             f"    {'workload':>15} {'ours':>8} {'host %':>6} {'calls %':>7} {'HF':>8} {'ours/HF':>7}  HF requests run"]
     for r in rows:
         ours = f"{r['ours_tokens_per_s']:>8.0f}" if r["ours_tokens_per_s"] else f"{'-':>8}"
-        ours += f" {r['host_share']:>6.1%}" if "host_share" in r else f" {'-':>6}"
+        ours += f" {r['host_share']:>6.1%} {r['call_share']:>7.1%}" if "host_share" in r else f" {'-':>6} {'-':>7}"
         ratio = f"{r['ours_over_peer']:>7.2f}" if "ours_over_peer" in r else f"{'-':>7}"
         subset = " (a subset)" if r.get("peer_subset") else ""
         peer = f"{r['peer_tokens_per_s']:>8.0f} {ratio}  {r['peer_requests_run']}{subset}" if r.get(

@@ -85,8 +85,10 @@ def main() -> None:
 
     sampler_ms = {mode: time_sampler(args.batch, args.vocab, mode == "all_on", args.repeats) * 1e3
                   for mode in ("none_on", "all_on")}
-    runner = build_runner(args.shape, [args.batch], args.context, steps=12)
-    decode_ms = statistics.median(time_decode(runner, args.batch, args.context, 12, np.random.default_rng(0))[3:]) * 1e3
+    runner = build_runner(SHAPES[args.shape], [args.batch], args.context, steps=12)
+    runner.capture_model()
+    decode_ms = statistics.median(
+        time_decode(runner, args.batch, args.context, 12, np.random.default_rng(0), pipelined=True)[3:]) * 1e3
     result = dict(device=jax.devices()[0].device_kind, batch=args.batch, vocab=args.vocab, context=args.context,
                   decode_step_ms=decode_ms, **{f"sampler_{k}_ms": v for k, v in sampler_ms.items()},
                   **{f"sampler_{k}_fraction": v / decode_ms for k, v in sampler_ms.items()})

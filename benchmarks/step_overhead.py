@@ -204,6 +204,8 @@ def main() -> None:
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, **variant, "rows": rows}
     if args.thunk_dump:
         result["thunks"] = thunk_kinds(args.thunk_dump)
+        if not result["thunks"]:
+            print(f"no thunk sequences in {args.thunk_dump}: XLA writes them on GPUs only", flush=True)
         for name, kinds in result["thunks"].items():
             print(name, kinds, flush=True)
     with open(args.out, "w") as f:

@@ -115,6 +115,7 @@ def _bench(args: argparse.Namespace) -> None:
         "max_num_scheduled_reqs": max(e.scheduler.max_num_scheduled_reqs for e in engines),
         "num_steps": sum(t.num_steps for t in step_times),
         "host_ms_per_step": sum(t.host_s for t in step_times) / steps * 1e3,
+        "program_call_ms_per_step": sum(t.call_s for t in step_times) / steps * 1e3,
         "device_wait_ms_per_step": sum(t.wait_s for t in step_times) / steps * 1e3,
     }
     spec = sum((e.scheduler.spec_stats for e in engines[1:]), engines[0].scheduler.spec_stats)
@@ -127,8 +128,9 @@ def _bench(args: argparse.Namespace) -> None:
           f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s")
     print(f"KV cache: {result['kv_cache_blocks']} blocks, {result['kv_cache_tokens']} tokens; "
           f"at most {result['max_num_scheduled_reqs']} requests in one step")
-    print(f"{result['num_steps']} steps: host {result['host_ms_per_step']:.2f} ms, waiting for the device "
-          f"{result['device_wait_ms_per_step']:.2f} ms a step")
+    print(f"{result['num_steps']} steps: engine host work {result['host_ms_per_step']:.2f} ms, program calls "
+          f"{result['program_call_ms_per_step']:.2f} ms, waiting for tokens {result['device_wait_ms_per_step']:.2f} ms "
+          "a step")
     for name in ("ttft_ms", "tpot_ms"):
         print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in result[name].items()))
     if args.output_json:

@@ -30,11 +30,13 @@ from jaxrunner.structured_outputs import StructuredOutputManager
 
 @dataclasses.dataclass
 class StepTimes:
-    """Where the engine's steps spent their wall time: host work, or waiting for the device."""
+    """Where the engine's steps spent their wall time: its own host work, the program calls, or waiting."""
 
     num_steps: int = 0
     host_s: float = 0.0
-    """In ``step()`` and not blocked on the device: scheduling, dispatch, output handling."""
+    """The engine's Python in ``step()``: scheduling, input packing, output handling."""
+    call_s: float = 0.0
+    """Inside calls of the compiled programs, which return once XLA has launched their kernels."""
     wait_s: float = 0.0
     """Blocked until a step's sampled tokens reached the host."""
 
@@ -249,7 +251,7 @@ class LLMEngine:
         time while a request needs its last tokens before it can be scheduled
         (speculative drafts, a grammar's next bitmask).
         """
-        start, wait_before = time.perf_counter(), self.runner.device_wait_s
+        start, wait_before, call_before = time.perf_counter(), self.runner.device_wait_s, self.runner.program_call_s
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and not self._can_overlap():
             outputs += self._process(*self._in_flight, output_kind)
@@ -269,10 +271,12 @@ class LLMEngine:
             outputs += self._process(*self._in_flight, output_kind)
             self._in_flight = None
         waited = self.runner.device_wait_s - wait_before
+        called = self.runner.program_call_s - call_before
         times = self.step_times
         times.num_steps += 1
         times.wait_s += waited
-        times.host_s += time.perf_counter() - start - waited
+        times.call_s += called
+        times.host_s += time.perf_counter() - start - waited - called
         return outputs
 
     def _can_overlap(self) -> bool:

@@ -121,6 +121,8 @@ class ModelRunner:
         self._prompt_logprob_requests: dict[str, tuple[np.ndarray, int]] = {}
         # Seconds the host has spent blocked until sampled tokens arrived.
         self.device_wait_s = 0.0
+        # Seconds spent inside calls of the compiled programs: XLA launches their kernels on the calling thread.
+        self.program_call_s = 0.0
 
     # ------------------------------------------------------------------ set-up
 
@@ -373,7 +375,7 @@ class ModelRunner:
         if num_new:
             bucket = pad_to_bucket(num_new, self.request_buckets, "new requests")
             rows = self.req_states.take_staged_rows(bucket)
-            self.device_state = self._write_programs.get(bucket)(self.device_state, rows)
+            self.device_state = self._call(self._write_programs.get(bucket), self.device_state, rows)
 
     def update_requests(self, scheduler_output: SchedulerOutput) -> None:
         """Append the blocks the scheduler gave running requests this step."""
@@ -439,6 +441,14 @@ class ModelRunner:
         )
         return batch, buffer
 
+    def _call(self, program: jax.stages.Compiled, *args):
+        """Call a compiled program, adding how long the call holds this thread to ``program_call_s``."""
+        start = time.perf_counter()
+        try:
+            return program(*args)
+        finally:
+            self.program_call_s += time.perf_counter() - start
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Update request state and dispatch the forward step; ``sample_tokens`` finishes it."""
         if self.kv_caches is None:
@@ -450,8 +460,9 @@ class ModelRunner:
             return ModelRunnerOutput.make_empty()
         batch, buffer = self.prepare_inputs(scheduler_output)
         program = self._forward_programs.get(batch.num_tokens_after_padding)
-        self.kv_caches, self.draft_kv_caches, self.device_state, sample_hidden, rows, hidden = program(
-            self._param_leaves, self._draft_leaves, self.kv_caches, self.draft_kv_caches, self.device_state, buffer
+        self.kv_caches, self.draft_kv_caches, self.device_state, sample_hidden, rows, hidden = self._call(
+            program, self._param_leaves, self._draft_leaves, self.kv_caches, self.draft_kv_caches, self.device_state,
+            buffer,
         )
         self.execute_model_state = (batch, sample_hidden, rows, hidden)
         return None
@@ -481,8 +492,8 @@ class ModelRunner:
         bucket = batch.num_reqs_after_padding
         bitmask, active = self._grammar_rows(batch, grammar_output)
         program = self._sample_programs.get(bucket)
-        self.draft_kv_caches, self.device_state, tokens, logprobs = program(
-            self._param_leaves, self._draft_leaves, self.draft_kv_caches, sample_hidden, rows, self.device_state,
+        self.draft_kv_caches, self.device_state, tokens, logprobs = self._call(
+            program, self._param_leaves, self._draft_leaves, self.draft_kv_caches, sample_hidden, rows, self.device_state,
             bitmask, active,
         )
         wants_logprobs = bool(np.any((self.req_states.num_logprobs[batch.idx_mapping_np] > 0) & batch.is_sampling_np))
@@ -542,7 +553,7 @@ class ModelRunner:
         for _, start, first, end, prompt, k in spans:
             targets[start : start + end - first] = prompt[first + 1 : end + 1]
             counts[start : start + end - first] = k + 1
-        out = self._prompt_logprob_programs.get(size)(self._param_leaves, hidden, targets, counts)
+        out = self._call(self._prompt_logprob_programs.get(size), self._param_leaves, hidden, targets, counts)
         ids, lps, ranks = (host_copy(a) for a in (out.token_ids, out.logprobs, out.ranks))
         result = {}
         for req_id, start, first, end, _, k in spans:

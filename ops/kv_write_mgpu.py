@@ -23,6 +23,9 @@ from jaxtyping import Array, Float, Int
 Cache = Float[Array, "num_blocks block_size num_kv_heads head_dim"]
 NewKV = Float[Array, "num_tokens num_kv_heads head_dim"]
 
+ROW_BYTES_MULTIPLE = 128
+"""A warpgroup's copies move a multiple of 128 bytes: a token's row (kv heads x head dim) must be one."""
+
 
 def _write_token(slot_ref, k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, *, block_size):
     """One program: token ``t``'s K and V rows into their slot, through shared memory."""
@@ -59,9 +62,17 @@ def write_kv_mgpu(
 
     New values are cast to the cache dtype first. ``interpret`` (an
     ``InterpretGPUParams``) runs the kernel through the Mosaic GPU interpreter on
-    the CPU.
+    the CPU. A token's row must be a multiple of 128 bytes (every model the
+    attention kernel takes has such rows); others get a ValueError.
     """
-    num_tokens = k_new.shape[0]
+    num_tokens, num_kv_heads, head_dim = k_new.shape
+    row_bytes = num_kv_heads * head_dim * k_cache.dtype.itemsize
+    if row_bytes % ROW_BYTES_MULTIPLE:
+        raise ValueError(
+            f"The KV write kernel copies rows of a multiple of {ROW_BYTES_MULTIPLE} bytes; this cache's rows "
+            f"({num_kv_heads} kv heads x {head_dim} x {k_cache.dtype.itemsize} bytes) are {row_bytes}. "
+            "Use impl='reference' (XLA's scatter)."
+        )
     k_ref = jax.new_ref(k_cache, memory_space=plgpu.GMEM)
     v_ref = jax.new_ref(v_cache, memory_space=plgpu.GMEM)
     # pl.kernel, not plgpu.kernel: the latter's batching wrapper takes no refs.
