@@ -6,13 +6,16 @@ compiled kernel at real sizes. Inputs are random mixed batches over shuffled
 block tables with padded tokens and requests (``test_attention_reference``).
 """
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxrunner.compat import mosaic_gpu_interpreter
-from jaxrunner.ops import ragged_paged_attention
+from jaxrunner.ops import AttentionMetadata, ragged_paged_attention
 from jaxrunner.ops.attention_mgpu import (
     KernelConfig,
     choose_config,
@@ -105,6 +108,42 @@ def test_kernel_takes_only_the_cases_it_supports():
     assert not kernel_supports(jnp.float32, 128, 16)  # wgmma would run it in tf32
     assert not kernel_supports(jnp.bfloat16, 96, 16)
     assert not kernel_supports(jnp.bfloat16, 128, 48)  # a stage of 48 keys is no wgmma K
+
+
+def _lower_for_cuda(num_tokens: int, num_reqs: int, max_blocks: int, head_dim: int, dtype, config: KernelConfig):
+    """The kernel at 32 query / 8 KV heads lowered for CUDA: Mosaic GPU's own checks of shapes, copies, layouts."""
+    spec = jax.ShapeDtypeStruct
+    q = spec((num_tokens, 32, head_dim), dtype)
+    cache = spec((4096, 16, 8, head_dim), dtype)
+    metadata = AttentionMetadata(
+        spec((num_reqs + 1,), jnp.int32), spec((num_reqs,), jnp.int32), spec((num_reqs, max_blocks), jnp.int32),
+        spec((num_tokens,), jnp.int32),
+    )
+    kernel = functools.partial(ragged_paged_attention_mgpu, sm_scale=head_dim**-0.5, config=config)
+    return jax.jit(kernel).trace(q, cache, cache, metadata).lower(lowering_platforms=("cuda",))
+
+
+# The table's choice for decode (64 x 4k, 1 x 32k) and prefill (1 x 8k), and the switches the sweep tries.
+LOWERED_CASES = {"decode-64": (64, 64, 256), "decode-1-split": (1, 1, 2048), "prefill": (8192, 1, 512)}
+SWITCHES = {
+    "table": {},
+    "registers+in_place": dict(compute_registers=232, accumulate_in_place=True),
+    "pingpong": dict(pingpong=True, compute_registers=232, accumulate_in_place=True),
+}
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(128, jnp.bfloat16), (64, jnp.float16), (256, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "case, switches",
+    # Ping-pong takes two compute warpgroups: prefill only.
+    [(c, s) for c in sorted(LOWERED_CASES) for s in sorted(SWITCHES) if s != "pingpong" or c == "prefill"],
+)
+def test_kernel_lowers_for_cuda_with_every_config_it_may_run(case, switches, head_dim, dtype):
+    num_tokens, num_reqs, max_blocks = LOWERED_CASES[case]
+    config = choose_config(num_tokens, num_reqs, 4, 8, head_dim, 16, max_blocks, jnp.dtype(dtype).itemsize)
+    config = dataclasses.replace(config, **SWITCHES[switches])
+    lowered = _lower_for_cuda(num_tokens, num_reqs, max_blocks, head_dim, dtype, config)
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_unknown_impl_flag_is_refused(monkeypatch):
