@@ -101,6 +101,35 @@ def fill_random(kv_caches):
     return out
 
 
+def add_decoding_requests(runner: ModelRunner, batch: int, context: int, steps: int, rng, tag: str):
+    """Give the runner ``batch`` requests at ``context`` tokens, with blocks for ``steps`` more, and
+    dispatch their first step; returns their ids and that step's pending output.
+
+    As after a prefix-cache hit, all but the last prompt token are in the cache.
+    """
+    blocks_per_req = -(-(context + steps + 1) // runner.block_size)
+    pool = rng.permutation(runner.num_blocks)
+    ids = [f"{tag}b{batch}c{context}r{i}" for i in range(batch)]
+    new_reqs = [
+        NewRequestData(req_id, rng.integers(0, runner.vocab_size, context).tolist(), SamplingParams(temperature=0.0),
+                       (pool[i * blocks_per_req : (i + 1) * blocks_per_req].tolist(),), context - 1)
+        for i, req_id in enumerate(ids)
+    ]
+    runner.execute_model(SchedulerOutput(new_reqs, CachedRequestData(), {r: 1 for r in ids}, batch))
+    return ids, runner.sample_tokens(None)
+
+
+def decode_step_output(ids: list[str], context: int, step: int) -> SchedulerOutput:
+    """The scheduler's output for decode step ``step`` after the first: one token for every request."""
+    cached = CachedRequestData(ids, [context + step] * len(ids), [None] * len(ids))
+    return SchedulerOutput([], cached, {r: 1 for r in ids}, len(ids))
+
+
+def finish_decoding_requests(runner: ModelRunner, ids: list[str]) -> None:
+    """Free the requests' slots, so that the next measurement starts from an empty runner."""
+    runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(ids)))
+
+
 def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, pipelined: bool) -> list[float]:
     """Seconds per decode step for ``batch`` requests at ``context`` tokens each.
 
@@ -109,26 +138,14 @@ def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, 
     dispatched before step k's tokens are read, and a step's time is the interval
     between consecutive outputs.
     """
-    blocks_per_req = -(-(context + steps + 1) // runner.block_size)
-    pool = rng.permutation(runner.num_blocks)
-    new_reqs, ids = [], [f"b{batch}c{context}p{int(pipelined)}r{i}" for i in range(batch)]
-    for i, req_id in enumerate(ids):
-        prompt = rng.integers(0, runner.vocab_size, context).tolist()
-        blocks = pool[i * blocks_per_req : (i + 1) * blocks_per_req].tolist()
-        # As after a prefix-cache hit: all but the last prompt token are in the cache.
-        new_reqs.append(NewRequestData(req_id, prompt, SamplingParams(temperature=0.0), (blocks,), context - 1))
-    one_each = {r: 1 for r in ids}
-    first = SchedulerOutput(new_reqs, CachedRequestData(), dict(one_each), batch)
-    runner.execute_model(first)
-    in_flight = runner.sample_tokens(None)
+    ids, in_flight = add_decoding_requests(runner, batch, context, steps, rng, f"p{int(pipelined)}")
     times = []
     last = time.perf_counter()
     for step in range(steps + 1):
         if not pipelined:
             in_flight.get_output()
         if step < steps:
-            cached = CachedRequestData(ids, [context + step] * batch, [None] * batch)
-            runner.execute_model(SchedulerOutput([], cached, dict(one_each), batch))
+            runner.execute_model(decode_step_output(ids, context, step))
             dispatched = runner.sample_tokens(None)
         if pipelined:
             in_flight.get_output()
@@ -136,7 +153,7 @@ def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, 
         if step:
             times.append(now - last)
         last, in_flight = now, dispatched
-    runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(ids)))
+    finish_decoding_requests(runner, ids)
     return times
 
 

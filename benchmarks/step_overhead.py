@@ -45,8 +45,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from decode_step import build_runner, time_decode
-from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from decode_step import (
+    add_decoding_requests,
+    build_runner,
+    decode_step_output,
+    finish_decoding_requests,
+    time_decode,
+)
 from jaxrunner.models import TransformerConfig
 
 NARROW_LLAMA3 = TransformerConfig(
@@ -89,20 +94,13 @@ def dispatch_times(runner, batch: int, context: int, calls: int) -> dict[str, fl
     """Milliseconds for the step's forward call (``execute_model``) and sample call (``sample_tokens``) to
     return, and per step when steps are dispatched back to back: a call that holds the host until the
     device catches up (a host-side conditional or loop) shows as a call as long as the device's work."""
-    ids = [f"d{batch}r{i}" for i in range(batch)]
-    rng = np.random.default_rng(1)
-    blocks_per_req = -(-(context + calls + 2) // runner.block_size)
-    new = [NewRequestData(r, rng.integers(0, runner.vocab_size, context).tolist(), SamplingParams(temperature=0.0),
-                          (list(range(i * blocks_per_req, (i + 1) * blocks_per_req)),), context - 1)
-           for i, r in enumerate(ids)]
-    runner.execute_model(SchedulerOutput(new, CachedRequestData(), {r: 1 for r in ids}, batch))
-    runner.sample_tokens(None).get_output()
+    ids, first = add_decoding_requests(runner, batch, context, calls, np.random.default_rng(1), "d")
+    first.get_output()
     forward, sample, outputs = [], [], []
     start = time.perf_counter()
     for step in range(calls):
-        cached = CachedRequestData(ids, [context + step] * batch, [None] * batch)
         begin = time.perf_counter()
-        runner.execute_model(SchedulerOutput([], cached, {r: 1 for r in ids}, batch))
+        runner.execute_model(decode_step_output(ids, context, step))
         middle = time.perf_counter()
         outputs.append(runner.sample_tokens(None))
         forward.append(middle - begin)
@@ -110,7 +108,7 @@ def dispatch_times(runner, batch: int, context: int, calls: int) -> dict[str, fl
     for out in outputs:
         out.get_output()
     total = time.perf_counter() - start
-    runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(ids)))
+    finish_decoding_requests(runner, ids)
     return {"forward_call_ms": statistics.median(forward) * 1e3, "sample_call_ms": statistics.median(sample) * 1e3,
             "back_to_back_ms": total / calls * 1e3}
 

@@ -42,6 +42,11 @@ def mosaic_gpu_interpreter():
     return InterpretGPUParams()
 
 
+def mosaic_gpu_interpreter_off_gpu():
+    """None on a GPU (the kernel is compiled), else the interpreter's parameters: a kernel's ``interpret``."""
+    return None if jax.devices()[0].platform == "gpu" else mosaic_gpu_interpreter()
+
+
 @contextlib.contextmanager
 def mosaic_gpu_interpreter_on_several_devices() -> Iterator[None]:
     """Kernels traced inside run through the Mosaic GPU interpreter on several devices at once (shard_map).

@@ -5,7 +5,7 @@ import os
 import jax
 from jaxtyping import Array, Float
 
-from jaxrunner.compat import is_hopper, mosaic_gpu_interpreter
+from jaxrunner.compat import is_hopper, mosaic_gpu_interpreter_off_gpu
 from jaxrunner.ops.attention_metadata import AttentionMetadata
 from jaxrunner.ops.attention_mgpu import kernel_supports, ragged_paged_attention_mgpu
 from jaxrunner.ops.attention_reference import ragged_paged_attention_reference
@@ -59,5 +59,6 @@ def ragged_paged_attention(
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if pick_impl(q, k_cache, impl) == "reference":
         return ragged_paged_attention_reference(q, k_cache, v_cache, metadata, **kwargs)
-    interpret = None if jax.devices()[0].platform == "gpu" else mosaic_gpu_interpreter()
-    return ragged_paged_attention_mgpu(q, k_cache, v_cache, metadata, interpret=interpret, **kwargs)
+    return ragged_paged_attention_mgpu(
+        q, k_cache, v_cache, metadata, interpret=mosaic_gpu_interpreter_off_gpu(), **kwargs
+    )

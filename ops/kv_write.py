@@ -1,14 +1,10 @@
 """Write the current step's keys and values into the paged KV cache: XLA's scatter or the Mosaic GPU kernel."""
 
-import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
-from jaxrunner.compat import mosaic_gpu_interpreter
-from jaxrunner.ops.kv_write_mgpu import write_kv_mgpu
-
-Cache = Float[Array, "num_blocks block_size num_kv_heads head_dim"]
-NewKV = Float[Array, "num_tokens num_kv_heads head_dim"]
+from jaxrunner.compat import mosaic_gpu_interpreter_off_gpu
+from jaxrunner.ops.kv_write_mgpu import Cache, NewKV, write_kv_mgpu
 
 
 def _scatter_slots(cache: Cache, new: NewKV, slot_mapping: Int[Array, "num_tokens"]) -> Cache:
@@ -44,8 +40,7 @@ def write_kv(
     :mod:`jaxrunner.ops.kv_write_mgpu` (through its interpreter off a GPU).
     """
     if impl == "mosaic_gpu":
-        interpret = None if jax.devices()[0].platform == "gpu" else mosaic_gpu_interpreter()
-        return write_kv_mgpu(k_cache, v_cache, k_new, v_new, slot_mapping, interpret=interpret)
+        return write_kv_mgpu(k_cache, v_cache, k_new, v_new, slot_mapping, interpret=mosaic_gpu_interpreter_off_gpu())
     if impl != "reference":
         raise ValueError(f"unknown KV write impl {impl!r}; valid: 'reference', 'mosaic_gpu'")
     return (
