@@ -193,7 +193,7 @@ def run_case(kind, batch, context, floors) -> dict:
 
 def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
     """The table's choice and its neighbours: register split, in-place accumulation, warpgroup
-    ping-pong, ring and split sizes."""
+    ping-pong, ring sizes, and (decode) split counts."""
     registers = 232 if base.num_compute_wgs == 2 else 216  # what one (two) programs per SM can give
     options = {
         "table": base,
@@ -203,12 +203,13 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
         "stages-1": dataclasses.replace(base, num_stages=max(base.num_stages - 1, 2)),
         "stages+1": dataclasses.replace(base, num_stages=base.num_stages + 1),
         "pages*2": dataclasses.replace(base, pages_per_stage=base.pages_per_stage * 2, num_stages=2),
-        "splits*2": dataclasses.replace(base, num_kv_splits=base.num_kv_splits * 2),
         **({"pingpong": dataclasses.replace(base, pingpong=True),
             "pingpong+registers+in_place": dataclasses.replace(base, pingpong=True, compute_registers=registers,
                                                                accumulate_in_place=True)}
            if base.num_compute_wgs == 2 else {}),
-        "splits/2": dataclasses.replace(base, num_kv_splits=max(base.num_kv_splits // 2, 1)),
+        # Decode: every split count from one program per tile to 16, to see where wave quantization bites.
+        **{f"splits={n}": dataclasses.replace(base, num_kv_splits=n)
+           for n in (1, 2, 3, 4, 6, 8, 16) if base.num_compute_wgs == 1},
     }
     unique: dict[KernelConfig, str] = {}
     for name, config in options.items():
@@ -238,8 +239,8 @@ def sweep_case(kind, batch, context) -> dict:
     return row
 
 
-SWEEP_CASES = [("decode", 1, 1024), ("decode", 16, 1024), ("decode", 64, 4096), ("prefill", 1, 8192),
-               ("prefill", 8, 2048)]
+SWEEP_CASES = [("decode", 1, 1024), ("decode", 16, 1024), ("decode", 1, 4096), ("decode", 64, 4096),
+               ("prefill", 1, 8192), ("prefill", 8, 2048)]
 
 
 def main() -> None:
@@ -251,6 +252,8 @@ def main() -> None:
     if args.sweep:
         rows = []
         for case in SWEEP_CASES:  # written after each case, so a cut-short run keeps what it measured
+            if args.only and ":".join(map(str, case)) not in args.only:
+                continue
             rows.append(sweep_case(*case))
             with open(args.out, "w") as f:
                 json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "sweep": rows}, f, indent=1)

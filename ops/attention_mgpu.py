@@ -291,28 +291,30 @@ def _kernel_body(
             if config.compute_registers:
                 plgpu.set_max_registers(COPY_REGISTERS, action="decrease")
 
-            def issue(i):
+            def page_ids(i):
+                """Cache pages of the tile's stage ``i``: read from the block table once for K and V."""
+                return [
+                    jnp.maximum(block_tables_ref[req, jnp.minimum((lo + i) * pages + p, max_blocks - 1)], 0)
+                    for p in range(pages)
+                ]
+
+            def issue(i, ids):
                 slot = lax.rem(i, stages)
-                for p in range(pages):
-                    j = jnp.minimum((lo + i) * pages + p, max_blocks - 1)
-                    page = jnp.maximum(block_tables_ref[req, j], 0)
-                    dst = pl.ds(p * block_size, block_size)
-                    plgpu.copy_gmem_to_smem(k_ref.at[page, :, kv_head], k_smem.at[slot, dst], k_bar.at[slot])
-                for p in range(pages):
-                    j = jnp.minimum((lo + i) * pages + p, max_blocks - 1)
-                    page = jnp.maximum(block_tables_ref[req, j], 0)
-                    dst = pl.ds(p * block_size, block_size)
-                    plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head], v_smem.at[slot, dst], v_bar.at[slot])
+                for cache, smem, bar in ((k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)):
+                    for p, page in enumerate(ids):
+                        dst = pl.ds(p * block_size, block_size)
+                        plgpu.copy_gmem_to_smem(cache.at[page, :, kv_head], smem.at[slot, dst], bar.at[slot])
 
             for i in range(stages):
-                pl.when(i < num_steps)(functools.partial(issue, i))
+                pl.when(i < num_steps)(lambda i=i: issue(i, page_ids(i)))
 
             @pl.loop(0, jnp.maximum(num_steps - stages, 0))
             def _refill(i):
+                ids = page_ids(i + stages)  # the table reads overlap the wait for a free slot
                 slot = lax.rem(i, stages)
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
-                issue(i + stages)
+                issue(i + stages, ids)
 
             # Observe the last releases too, so every barrier phase is waited on once.
             @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
