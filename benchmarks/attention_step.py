@@ -47,17 +47,21 @@ SM_SCALE = HEAD_DIM**-0.5
 
 
 def seconds(fn, *args, repeats: int = 20) -> float:
-    """Seconds per call of ``fn(*args)``: median over ``repeats`` runs of a device loop of ``inner`` calls."""
+    """Seconds per call of ``fn(*args)``: median over ``repeats`` runs of one program of ``inner`` calls.
+
+    The calls are unrolled, not a device loop: a loop XLA keeps on the host would add
+    a host round trip to every call and swamp a microsecond-scale kernel.
+    """
     inner = 10
 
     @jax.jit
     def looped(first, *rest):
-        def body(_, acc):
-            # The first input depends on the carry so that XLA cannot hoist the call out of the loop.
+        acc = jnp.float32(0)
+        for _ in range(inner):
+            # The first input depends on the previous call so that XLA can neither merge nor reorder the calls.
             out = fn(first + (acc * 0).astype(first.dtype), *rest)
-            return acc + sum(x.sum(dtype=jnp.float32) for x in jax.tree.leaves(out))
-
-        return jax.lax.fori_loop(0, inner, body, jnp.float32(0))
+            acc = acc + sum(x.sum(dtype=jnp.float32) for x in jax.tree.leaves(out))
+        return acc
 
     looped(*args).block_until_ready()
     times = []
