@@ -11,10 +11,12 @@ the reference (max error relative to the largest output).
 Decode is reported as effective KV bandwidth (bytes of K and V read / time) over
 the copy bandwidth; prefill as TFLOP/s (causal FLOPs) over the matmul rate.
 ``--sweep`` instead times the tuning table's choice against its neighbours on
-the cases the table is tuned for, each checked against the reference.
+the cases the table is tuned for, each checked against the reference;
+``--kv-write`` times the KV cache write, XLA's scatter against the Mosaic GPU kernel.
 
     python benchmarks/attention_step.py --out attention_step.json
     python benchmarks/attention_step.py --sweep --out attention_sweep.json
+    python benchmarks/attention_step.py --kv-write --out kv_write.json
 """
 
 from __future__ import annotations
@@ -243,6 +245,47 @@ def sweep_case(kind, batch, context) -> dict:
     return row
 
 
+def kv_write_rows(token_counts=(1, 64, 256, 8192), num_blocks: int = 16384, repeats: int = 10) -> list[dict]:
+    """Seconds per layer's KV write, XLA's scatter against the Mosaic GPU kernel, on Llama-3-8B's cache shape.
+
+    Ten writes are chained in one program on donated caches (each in place), so a
+    write's time is the program's over ten; distinct shuffled slots, as the runner writes.
+    """
+    from jaxrunner.ops.kv_write import write_kv
+
+    rows = []
+    for tokens in token_counts:
+        rng = np.random.default_rng(tokens)
+        slots = jnp.asarray(rng.permutation(num_blocks * BLOCK_SIZE)[:tokens], jnp.int32)
+        key = jax.random.key(tokens)
+        k_new = jax.random.normal(key, (tokens, NUM_KV_HEADS, HEAD_DIM), jnp.bfloat16)
+        v_new = jax.random.normal(jax.random.fold_in(key, 1), k_new.shape, jnp.bfloat16)
+        row = {"tokens": tokens, "bytes_written": 2 * k_new.size * 2}
+        for impl in ("reference", "mosaic_gpu"):
+            @functools.partial(jax.jit, donate_argnums=(0, 1))
+            def ten_writes(k_cache, v_cache, k_new, v_new, impl=impl):
+                for i in range(10):  # distinct values per write, so no write is redundant
+                    k_cache, v_cache = write_kv(k_cache, v_cache, k_new + i, v_new, slots, impl=impl)
+                return k_cache, v_cache
+
+            shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+            caches = (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
+            try:
+                caches = jax.block_until_ready(ten_writes(*caches, k_new, v_new))
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    caches = jax.block_until_ready(ten_writes(*caches, k_new, v_new))
+                    times.append((time.perf_counter() - start) / 10)
+                row[f"{impl}_s"] = statistics.median(times)
+            except Exception as exc:
+                row[f"{impl}_error"] = "".join(traceback.format_exception_only(exc))[-1500:]
+            del caches
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 SWEEP_CASES = [("decode", 1, 1024), ("decode", 16, 1024), ("decode", 1, 4096), ("decode", 64, 4096),
                ("prefill", 1, 8192), ("prefill", 8, 2048)]
 
@@ -252,7 +295,12 @@ def main() -> None:
     parser.add_argument("--out", default="attention_step.json")
     parser.add_argument("--only", nargs="*", help="case names kind:batch:context to run (default: all)")
     parser.add_argument("--sweep", action="store_true", help="time the tuning table's neighbours instead")
+    parser.add_argument("--kv-write", action="store_true", help="time the KV cache write's two implementations instead")
     args = parser.parse_args()
+    if args.kv_write:
+        with open(args.out, "w") as f:
+            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "kv_write": kv_write_rows()}, f, indent=1)
+        return
     if args.sweep:
         rows = []
         for case in SWEEP_CASES:  # written after each case, so a cut-short run keeps what it measured

@@ -14,7 +14,8 @@ pays whatever the model's width. For each batch it reports, in one process:
 - a cProfile of the pipelined steps: the functions that took the host's time.
 
 ``--variants`` runs the measurement once per named variant (``VARIANTS``: the
-PjRt GPU client launching on a thread of its own, XLA's CUDA graphs off, CUDA
+PjRt GPU client launching on the calling thread (jaxrunner's default is a
+thread of its own, ``compat.prefer_async_gpu_dispatch``), XLA's CUDA graphs off, CUDA
 graphs recorded once and never updated (stable virtual addresses for their
 buffers), the reference attention, and a dump of XLA's thunks, summarized by kind:
 ``kCommandBuffer`` is a CUDA graph; a ``kConditional`` or ``kWhile`` outside one
@@ -23,7 +24,7 @@ table. A variant needs about two minutes on the H200 (random init, compiling),
 less where the persistent compilation cache already holds its programs:
 
     python benchmarks/step_overhead.py --out step_overhead.json
-    python benchmarks/step_overhead.py --variants default async_dispatch thunk_dump --out-dir $OUT
+    python benchmarks/step_overhead.py --variants default sync_dispatch thunk_dump --out-dir $OUT
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def profile_steps(runner, batch: int, context: int, steps: int) -> str:
 
 VARIANTS = {
     "default": {},
-    "async_dispatch": {"PJRT_GPU_ENABLE_ASYNC_DISPATCH": "1"},
+    "sync_dispatch": {"PJRT_GPU_ENABLE_ASYNC_DISPATCH": "0"},
     "no_command_buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
     "update_free": {"XLA_FLAGS": "--xla_gpu_command_buffer_update_mode=NEVER_UPDATE"},
     "reference_attention": {"JAXRUNNER_ATTENTION_IMPL": "reference"},

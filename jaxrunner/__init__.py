@@ -1,7 +1,11 @@
 """jaxrunner: vLLM's V1 GPU model runner and offline engine in JAX/XLA."""
 
-from jaxrunner.interfaces import SamplingParams
-from jaxrunner.llm import LLM
-from jaxrunner.outputs import CompletionOutput, RequestOutput
+from jaxrunner.compat import prefer_async_gpu_dispatch
+
+prefer_async_gpu_dispatch()  # before anything starts JAX's GPU backend
+
+from jaxrunner.interfaces import SamplingParams  # noqa: E402
+from jaxrunner.llm import LLM  # noqa: E402
+from jaxrunner.outputs import CompletionOutput, RequestOutput  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import jax
+
+ASYNC_DISPATCH_ENV_VAR = "PJRT_GPU_ENABLE_ASYNC_DISPATCH"
+
+
+def prefer_async_gpu_dispatch() -> None:
+    """Have the PjRt GPU client launch each program from a thread of its own, unless the user chose.
+
+    By default a call into a compiled program updates and launches its CUDA graph
+    on the calling thread: a decode step's forward call held the engine's Python
+    thread for 7-11 ms (``benchmarks/step_overhead.py``), so the next step could
+    not be prepared meanwhile. Read once, when JAX starts its GPU backend, so it
+    must be set before the first computation; ``PJRT_GPU_ENABLE_ASYNC_DISPATCH=0``
+    keeps the synchronous launch.
+    """
+    os.environ.setdefault(ASYNC_DISPATCH_ENV_VAR, "1")
 
 
 def enable_persistent_compilation_cache(cache_dir: str) -> None:
