@@ -204,7 +204,7 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
     options = {
         "table": base,
         "registers": dataclasses.replace(base, compute_registers=registers),
-        "in_place": dataclasses.replace(base, accumulate_in_place=True),
+        "in_place_flipped": dataclasses.replace(base, accumulate_in_place=not base.accumulate_in_place),
         "registers+in_place": dataclasses.replace(base, compute_registers=registers, accumulate_in_place=True),
         "stages-1": dataclasses.replace(base, num_stages=max(base.num_stages - 1, 2)),
         "stages+1": dataclasses.replace(base, num_stages=base.num_stages + 1),

@@ -14,7 +14,7 @@ from jaxtyping import Array, Float
 
 from jaxrunner.ops.attention import forced_impl, ragged_paged_attention
 from jaxrunner.ops.attention_metadata import AttentionMetadata
-from jaxrunner.ops.kv_write import Cache, write_kv
+from jaxrunner.ops.kv_write import Cache, pick_kv_write_impl, write_kv
 from jaxrunner.sharding import KV_CACHE_LOGICAL_AXES, RULES, tensor_parallel_size
 
 _Q_SPEC = RULES.spec((None, "q_heads", "head_dim"))
@@ -39,12 +39,11 @@ def write_and_attend(
     the updated ``(k_cache, v_cache)``, sharded as they came in.
     """
 
-    # The KV write kernel runs only where an implementation is forced (the argument or the flag): it has not
-    # yet run on an H200, so the automatic choice keeps XLA's scatter.
-    kv_write_impl = forced_impl(attention_options.get("impl")) or "reference"
+    forced = forced_impl(attention_options.get("impl"))
 
     def local(q, k, v, k_cache, v_cache, metadata):
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, metadata.slot_mapping, impl=kv_write_impl)
+        impl = pick_kv_write_impl(k.shape[0], k_cache, forced)  # this device's shard of the heads
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, metadata.slot_mapping, impl=impl)
         return ragged_paged_attention(q, k_cache, v_cache, metadata, **attention_options), k_cache, v_cache
 
     if tensor_parallel_size(mesh) > 1:

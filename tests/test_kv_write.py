@@ -145,3 +145,18 @@ def test_kernel_writes_in_place_at_llama3_sizes():
         step = jax.jit(functools.partial(write_kv, impl="mosaic_gpu"), donate_argnums=(0, 1))
         for got, want in zip(step(k_cache, v_cache, *args), expected):
             np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+def test_automatic_choice_takes_the_kernel_for_large_writes_on_hopper(monkeypatch):
+    from jaxrunner.ops import kv_write
+
+    bf16_cache = jnp.zeros((4, 16, 8, 128), jnp.bfloat16)  # 2 KiB rows
+    narrow_cache = jnp.zeros((4, 16, 1, 32), jnp.bfloat16)  # 64-byte rows: the kernel cannot copy them
+    many, few = kv_write.KERNEL_MIN_TOKENS, kv_write.KERNEL_MIN_TOKENS - 1
+    assert kv_write.pick_kv_write_impl(many, bf16_cache, None) == "reference"  # this CPU is no Hopper GPU
+    assert kv_write.pick_kv_write_impl(few, bf16_cache, "mosaic_gpu") == "mosaic_gpu"  # forced wins
+    monkeypatch.setattr(kv_write, "is_hopper", lambda device: True)
+    assert kv_write.pick_kv_write_impl(many, bf16_cache, None) == "mosaic_gpu"
+    assert kv_write.pick_kv_write_impl(few, bf16_cache, None) == "reference"
+    assert kv_write.pick_kv_write_impl(many, narrow_cache, None) == "reference"
+    assert kv_write.pick_kv_write_impl(many, narrow_cache, "reference") == "reference"
