@@ -43,9 +43,9 @@ class ShardingRules:
     """The mesh axis that splits each logical axis; None replicates it."""
 
     vocab: str | None = MODEL_AXIS  # embedding rows, lm_head columns (padded to a multiple of the TP size)
-    q_heads: str | None = MODEL_AXIS  # q_proj outputs, o_proj inputs
-    kv_heads: str | None = MODEL_AXIS  # k_proj / v_proj outputs, the KV cache's head axis
-    mlp: str | None = MODEL_AXIS  # gate_proj / up_proj outputs, down_proj inputs
+    q_heads: str | None = MODEL_AXIS  # o_proj inputs
+    kv_heads: str | None = MODEL_AXIS  # qkv_proj outputs (a KV head with its query heads), the KV cache's heads
+    mlp: str | None = MODEL_AXIS  # gate_up_proj outputs, down_proj inputs
     embed: str | None = None  # the residual stream's features
     head_dim: str | None = None
 
@@ -56,13 +56,10 @@ class ShardingRules:
 
 RULES = ShardingRules()
 
-_LINEAR_AXES = {  # a Linear's kernel is [in, out]; its bias [out]
-    "q_proj": ("embed", "q_heads"),
-    "k_proj": ("embed", "kv_heads"),
-    "v_proj": ("embed", "kv_heads"),
+_LINEAR_AXES = {  # a Linear's kernel is [in, out...]; its bias [out...]
+    "qkv_proj": ("embed", "kv_heads", None, "head_dim"),  # [in, kv heads, group + 2, head dim]
     "o_proj": ("q_heads", "embed"),
-    "gate_proj": ("embed", "mlp"),
-    "up_proj": ("embed", "mlp"),
+    "gate_up_proj": ("embed", None, "mlp"),  # [in, 2, intermediate]
     "down_proj": ("mlp", "embed"),
     "lm_head": ("embed", "vocab"),
     "fc": (None, "embed"),  # EAGLE's projection of (token embedding, feature)
@@ -155,7 +152,7 @@ def check_tensor_parallel(config: TransformerConfig, tp: int) -> None:
 
 
 def logical_axes(path: tuple) -> tuple[str | None, ...]:
-    """The logical axes of the parameter at ``path`` (an nnx path such as ``(..., "q_proj", "kernel")``)."""
+    """The logical axes of the parameter at ``path`` (an nnx path such as ``(..., "qkv_proj", "kernel")``)."""
     key = (str(path[-2]), str(path[-1]))
     if key not in PARAM_LOGICAL_AXES:
         raise ValueError(

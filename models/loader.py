@@ -6,10 +6,13 @@ its sharding on the model's mesh: each device reads only its slice of the
 memory-mapped tensor, so no device ever holds a whole sharded weight.
 Checkpoint names are HF's: our parameter path joined with dots, with a
 Linear's ``kernel`` (``[in, out]``, HF's ``weight`` transposed) and an Embed's
-``embedding`` both called ``weight``.
+``embedding`` both called ``weight``. A merged projection's parameter
+(``qkv_proj``, ``gate_up_proj``) is assembled from its parts' tensors
+(``q_proj``, ``k_proj``, ``v_proj``...), each device reading its slice of each.
 """
 
 import functools
+import math
 from collections.abc import Callable
 from os import PathLike
 from pathlib import Path
@@ -25,7 +28,7 @@ from jaxrunner.config import ParallelConfig
 from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.registry import model_class
 from jaxrunner.models.safetensors_io import CheckpointError, checkpoint_files, iter_tensors
-from jaxrunner.models.transformer import CausalLM, TransformerConfig
+from jaxrunner.models.transformer import CausalLM, MergedProjection, TransformerConfig
 from jaxrunner.sharding import logical_axes, make_mesh, param_sharding, param_shardings
 
 _HF_LEAF_NAMES = {"kernel": "weight", "embedding": "weight"}
@@ -98,12 +101,43 @@ def hf_name(path: tuple) -> str:
     return ".".join([*map(str, parents), _HF_LEAF_NAMES.get(leaf, leaf)])
 
 
+def hf_parts(model: nnx.Module) -> dict[tuple, list[tuple[str, int | None]]]:
+    """For each parameter path, the HF tensors it is made of: ``(name, slots)``, slots None for a whole tensor."""
+    parts = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, MergedProjection):
+            for leaf in ("kernel", "bias"):
+                if getattr(node, leaf) is not None:
+                    parts[(*path, leaf)] = [(hf_name((*path[:-1], part, leaf)), n) for part, n in node.parts]
+        elif isinstance(node, nnx.Param) and path not in parts:
+            parts[path] = [(hf_name(path), None)]
+    return parts
+
+
+def hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
+    """The model's parameters as HF checkpoint tensors (merged projections split into their parts)."""
+    tensors = {}
+    params = dict(nnx.iter_graph(model))
+    for path, sources in hf_parts(model).items():
+        value = np.asarray(params[path].get_value())
+        is_kernel = path[-1] == "kernel"
+        ends = np.cumsum([slots or 1 for _, slots in sources])[:-1]
+        pieces = np.split(value, ends, axis=-2) if sources[0][1] is not None else [value]
+        for (name, _), piece in zip(sources, pieces):
+            flat = piece.reshape(piece.shape[0], -1) if is_kernel else piece.reshape(-1)
+            tensors[name] = np.ascontiguousarray(flat.T if is_kernel else flat)
+    return tensors
+
+
 def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.dtype) -> None:
     """Sets every parameter of the abstract ``model`` from the checkpoint, checking names and shapes.
 
     Each lands in its sharding on ``model.mesh``; a padded vocabulary's extra rows are zeros.
     """
-    wanted = {hf_name(path): (path, var) for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
+    params = {path: var for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
+    sources = hf_parts(model)
+    owner = {name: path for path, parts in sources.items() for name, _ in parts}
+    received: dict[tuple, dict[str, tuple[np.ndarray, Path]]] = {}
     loaded_from: dict[str, Path] = {}
     files = checkpoint_files(model_dir)
     for file in files:
@@ -114,18 +148,62 @@ def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.
                 continue
             if name in loaded_from:
                 raise CheckpointError(f"{file}: tensor {name!r} was already loaded from {loaded_from[name]}")
-            if name not in wanted:
+            if name not in owner:
                 raise CheckpointError(f"{file}: unexpected tensor {name!r}; the model has no such parameter")
-            path, var = wanted.pop(name)
-            sharding = param_sharding(model.mesh, path)
-            var.set_value(_to_param(array, path, var.get_value().shape, model.config, param_dtype, sharding, file))
             loaded_from[name] = file
-    if wanted:
-        missing = sorted(wanted)
+            path = owner[name]
+            received.setdefault(path, {})[name] = (array, file)
+            if len(received[path]) < len(sources[path]):
+                continue  # a merged parameter waits for its other parts
+            var, sharding = params[path], param_sharding(model.mesh, path)
+            shape = var.get_value().shape
+            if sources[path][0][1] is None:
+                var.set_value(_to_param(array, path, shape, model.config, param_dtype, sharding, file))
+            else:
+                parts = [(n, *received[path][n], slots) for n, slots in sources[path]]
+                var.set_value(_to_merged_param(parts, path, shape, param_dtype, sharding))
+            del received[path]
+    missing = sorted(name for name in owner if name not in loaded_from)
+    if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(
             f"{model_dir}: tensor {missing[0]!r}{more} is missing from {', '.join(f.name for f in files)}"
         )
+
+
+def _to_merged_param(
+    parts: list[tuple[str, np.ndarray, Path, int]], path: tuple, shape: tuple[int, ...], param_dtype: jnp.dtype,
+    sharding: jax.sharding.Sharding,
+) -> jax.Array:
+    """A merged projection's parameter of ``shape`` (``[in, *groups, slots, width]`` or a bias without ``in``)
+    from its parts' checkpoint tensors (each filling ``slots`` of every group), shape-checked.
+
+    Each part is viewed in the parameter's layout without a copy (HF's ``[out, in]``
+    transposed, its out axis split into groups, slots and width); each device then
+    copies only its slice of each part.
+    """
+    is_kernel = path[-1] == "kernel"
+    views = []
+    for name, array, file, slots in parts:
+        part_shape = (*shape[:-2], slots, shape[-1])
+        out = math.prod(part_shape[1:] if is_kernel else part_shape)
+        hf_shape = (out, shape[0]) if is_kernel else (out,)
+        if array.shape != hf_shape:
+            raise CheckpointError(f"{file}: tensor {name!r} has shape {array.shape}, the model expects {hf_shape}")
+        views.append((array.T if is_kernel else array).reshape(part_shape))
+
+    return jax.make_array_from_callback(
+        shape, sharding, lambda index: _read_merged_shard(views, index, shape, param_dtype)
+    )
+
+
+def _read_merged_shard(
+    views: list[np.ndarray], index: tuple[slice, ...], shape: tuple[int, ...], dtype
+) -> np.ndarray:
+    """One device's shard of a merged parameter: its slice of every part, joined along the slots axis."""
+    whole_slots = (*index[:-2], slice(None), index[-1])
+    shard = np.concatenate([np.asarray(v[whole_slots], dtype=dtype) for v in views], axis=-2)
+    return shard[(*(slice(None),) * (len(shape) - 2), index[-2], slice(None))]
 
 
 def _to_param(

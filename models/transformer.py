@@ -3,8 +3,10 @@
 One configurable module covers the family: the members differ only in RoPE
 scaling, q/k/v biases, per-head q/k RMSNorm and sliding-window attention.
 Module and parameter names follow HuggingFace's (``model.layers[i].self_attn.
-q_proj``...), with Flax leaves: a Linear's ``kernel`` is HF's ``weight``
-transposed to ``[in, out]``, an Embed's ``embedding`` is HF's ``weight``.
+o_proj``...), with Flax leaves: a Linear's ``kernel`` is HF's ``weight``
+transposed to ``[in, out]``, an Embed's ``embedding`` is HF's ``weight``;
+HF's q/k/v and gate/up Linears are merged, each set into one matmul
+(``qkv_proj``, ``gate_up_proj``: :class:`MergedProjection`).
 
 Tokens of all requests are packed along one axis; the paged KV cache and the
 ``AttentionMetadata`` say where each token's keys and values live.
@@ -206,18 +208,52 @@ class RMSNorm(nnx.Module):
         return (x32 * self.weight[...].astype(jnp.float32)).astype(self.dtype)
 
 
+class MergedProjection(nnx.Module):
+    """Several of HF's Linears that read the same input, as one matmul (vLLM's merged and QKV linears).
+
+    The kernel is ``[in, *groups, slots, width]``; ``parts`` names the HF Linears in
+    order with the number of slots each fills in every group, which is how the
+    loader assembles the kernel from them (``models/loader.py``). q/k/v become
+    ``[in, kv_heads, group + 2, head_dim]`` (each KV head next to its query heads,
+    so a split over KV heads gives every device whole groups), gate/up ``[in, 2,
+    intermediate]``. One matmul instead of two or three: fewer, larger kernels.
+    """
+
+    def __init__(
+        self, in_features: int, groups: tuple[int, ...], parts: tuple[tuple[str, int], ...], width: int, *,
+        use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs,
+    ):
+        shape = (in_features, *groups, sum(slots for _, slots in parts), width)
+        init = nnx.initializers.lecun_normal(in_axis=0, out_axis=tuple(range(1, len(shape))))
+        self.kernel = nnx.Param(init(rngs.params(), shape, param_dtype))
+        self.bias = nnx.Param(jnp.zeros(shape[1:], param_dtype)) if use_bias else None
+        self.parts = parts
+        self.dtype = dtype
+
+    def __call__(self, x: Float[Array, "T E"]) -> list[Float[Array, "T ..."]]:
+        """Each part's output, ``[T, *groups, slots, width]``."""
+        y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=1)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        ends = np.cumsum([slots for _, slots in self.parts])[:-1]
+        return jnp.split(y, ends, axis=-2)
+
+
 class Attention(nnx.Module):
     """GQA self-attention over the paged KV cache, with RoPE and optional q/k norm."""
 
     def __init__(
         self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None
     ):
-        linear = functools.partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = linear(config.hidden_size, q_dim, use_bias=config.attention_bias)
-        self.k_proj = linear(config.hidden_size, kv_dim, use_bias=config.attention_bias)
-        self.v_proj = linear(config.hidden_size, kv_dim, use_bias=config.attention_bias)
-        self.o_proj = linear(q_dim, config.hidden_size, use_bias=config.o_proj_bias)
+        group = config.num_heads // config.num_kv_heads
+        self.qkv_proj = MergedProjection(
+            config.hidden_size, (config.num_kv_heads,), (("q_proj", group), ("k_proj", 1), ("v_proj", 1)),
+            config.head_dim, use_bias=config.attention_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+        )
+        self.o_proj = nnx.Linear(
+            config.num_heads * config.head_dim, config.hidden_size, use_bias=config.o_proj_bias, dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs,
+        )
         norm = functools.partial(RMSNorm, config.head_dim, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
@@ -234,9 +270,10 @@ class Attention(nnx.Module):
         metadata: AttentionMetadata,
     ) -> tuple[Float[Array, "T E"], KVCache]:
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)  # [t, kv_heads, slots, head_dim]; query head h reads KV head h // group
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -251,15 +288,18 @@ class MLP(nnx.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        linear = functools.partial(
-            nnx.Linear, use_bias=config.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        self.gate_up_proj = MergedProjection(
+            config.hidden_size, (), (("gate_proj", 1), ("up_proj", 1)), config.intermediate_size,
+            use_bias=config.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
         )
-        self.gate_proj = linear(config.hidden_size, config.intermediate_size)
-        self.up_proj = linear(config.hidden_size, config.intermediate_size)
-        self.down_proj = linear(config.intermediate_size, config.hidden_size)
+        self.down_proj = nnx.Linear(
+            config.intermediate_size, config.hidden_size, use_bias=config.mlp_bias, dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs,
+        )
 
     def __call__(self, x: Float[Array, "T E"]) -> Float[Array, "T E"]:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = (part[:, 0] for part in self.gate_up_proj(x))
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):

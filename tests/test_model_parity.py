@@ -112,7 +112,7 @@ def test_bfloat16_params_and_compute_stay_close(tmp_path):
     save_tiny_hf_model("llama", tmp_path)
     model32, config = load_model(tmp_path)
     model16, _ = load_model(tmp_path, dtype="bfloat16")
-    assert model16.model.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
+    assert model16.model.layers[0].mlp.gate_up_proj.kernel[...].dtype == jnp.bfloat16
     prompts = random_prompts(config.vocab_size, PROMPT_LENS, seed=5)
     metadata, positions = packed_metadata(PROMPT_LENS, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
     args = (pack(prompts, sum(PROMPT_LENS)), jnp.asarray(positions))

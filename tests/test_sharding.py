@@ -70,7 +70,8 @@ def assert_megatron_layout(model) -> None:
     """Column-parallel q/k/v and gate/up, row-parallel o/down, vocabulary-split embedding, replicated norms."""
     layer = model.model.layers[0]
     spec = lambda param: param[...].sharding.spec
-    assert spec(layer.self_attn.q_proj.kernel) == spec(layer.mlp.up_proj.kernel) == P(None, MODEL_AXIS)
+    assert spec(layer.self_attn.qkv_proj.kernel) == P(None, MODEL_AXIS, None, None)
+    assert spec(layer.mlp.gate_up_proj.kernel) == P(None, None, MODEL_AXIS)
     assert spec(layer.self_attn.o_proj.kernel) == spec(layer.mlp.down_proj.kernel) == P(MODEL_AXIS, None)
     assert spec(model.model.embed_tokens.embedding) == P(MODEL_AXIS, None)
     assert spec(layer.input_layernorm.weight) == P(None)
@@ -146,18 +147,22 @@ def unsharded_logits(checkpoint):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_logits_equal_unsharded_and_each_device_reads_its_slice(tp, checkpoint, unsharded_logits, monkeypatch):
-    read = []
-    real_read_shard = loader._read_shard
+    read = {}
 
-    def recording_read_shard(source, index, shape, dtype):
-        shard = real_read_shard(source, index, shape, dtype)
-        read.append(shard.size / np.prod(shape))
-        return shard
+    def recording(reader, kind):
+        def read_shard(source, index, shape, dtype):
+            shard = reader(source, index, shape, dtype)
+            read.setdefault(kind, []).append(shard.size / np.prod(shape))
+            return shard
 
-    monkeypatch.setattr(loader, "_read_shard", recording_read_shard)
+        return read_shard
+
+    monkeypatch.setattr(loader, "_read_shard", recording(loader._read_shard, "plain"))
+    monkeypatch.setattr(loader, "_read_merged_shard", recording(loader._read_merged_shard, "merged"))
     mesh = tp_mesh(tp)
     model, config = load_model(checkpoint, mesh=mesh)
-    assert max(read) == 1.0 and min(read) == 1 / tp  # norms whole, every other tensor a 1/TP slice
+    assert max(read["plain"]) == 1.0 and min(read["plain"]) == 1 / tp  # norms whole, the rest a 1/TP slice
+    assert set(read["merged"]) == {1 / tp}  # q/k/v and gate/up: each device read its slice of each part
     assert_split_evenly(nnx.state(model), mesh)
     assert_megatron_layout(model)
     err = rel_err(two_step_logits(model, config), unsharded_logits)

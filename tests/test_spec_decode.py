@@ -83,12 +83,11 @@ def test_draft_model_greedy_equals_no_speculation(cache_dir, tmp_path):
 
 def save_tiny_eagle_head(path, seed: int = 0) -> None:
     """A random EAGLE head for the built-in tiny model, saved as an HF-style checkpoint."""
-    from flax import nnx
     from safetensors.numpy import save_file
 
     from jaxrunner.builtin_models import BUILTIN_MODELS
     from jaxrunner.models.eagle import init_random_eagle_head
-    from jaxrunner.models.loader import hf_name
+    from jaxrunner.models.loader import hf_tensors
 
     target = BUILTIN_MODELS["tiny-llama"]
     hf_config = transformers.LlamaConfig(
@@ -99,12 +98,7 @@ def save_tiny_eagle_head(path, seed: int = 0) -> None:
     )
     hf_config.save_pretrained(path)
     head = init_random_eagle_head(TransformerConfig.from_hf(hf_config), seed=seed)
-    tensors = {}
-    for key, var in nnx.iter_graph(head):
-        if isinstance(var, nnx.Param):
-            value = np.asarray(var.get_value())
-            tensors[hf_name(key)] = np.ascontiguousarray(value.T if key[-1] == "kernel" else value)
-    save_file(tensors, str(path / "model.safetensors"))
+    save_file(hf_tensors(head), str(path / "model.safetensors"))
 
 
 def test_eagle_head_greedy_equals_no_speculation(cache_dir, tmp_path):
