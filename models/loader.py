@@ -121,8 +121,10 @@ def hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     for path, sources in hf_parts(model).items():
         value = np.asarray(params[path].get_value())
         is_kernel = path[-1] == "kernel"
-        ends = np.cumsum([slots or 1 for _, slots in sources])[:-1]
-        pieces = np.split(value, ends, axis=-2) if sources[0][1] is not None else [value]
+        if sources[0][1] is None:
+            tensors[sources[0][0]] = np.ascontiguousarray(value.T if is_kernel else value)
+            continue
+        pieces = np.split(value, np.cumsum([slots for _, slots in sources])[:-1], axis=-2)
         for (name, _), piece in zip(sources, pieces):
             flat = piece.reshape(piece.shape[0], -1) if is_kernel else piece.reshape(-1)
             tensors[name] = np.ascontiguousarray(flat.T if is_kernel else flat)

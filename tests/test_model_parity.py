@@ -137,3 +137,19 @@ def test_init_random_model_runs(tmp_path):
 
     assert logits.shape == (8, 1000) and np.isfinite(np.asarray(logits)).all()
     assert len(caches) == 2 and caches[0][0].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_hf_tensors_give_back_the_checkpoint(arch, tmp_path):
+    """Merging q/k/v and gate/up at load and splitting them at export are inverses, biases and norms included."""
+    from safetensors.numpy import load_file
+
+    from jaxrunner.models.loader import hf_tensors
+
+    save_tiny_hf_model(arch, tmp_path, seed=3)
+    original = load_file(str(tmp_path / "model.safetensors"))
+    model, _ = load_model(tmp_path)
+    exported = hf_tensors(model)
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
