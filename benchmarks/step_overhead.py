@@ -15,9 +15,8 @@ pays whatever the model's width. For each batch it reports, in one process:
 
 ``--variants`` runs the measurement once per named variant (``VARIANTS``: the
 PjRt GPU client launching on the calling thread (jaxrunner's default is a
-thread of its own, ``compat.prefer_async_gpu_dispatch``), XLA's CUDA graphs off, CUDA
-graphs recorded once and never updated (stable virtual addresses for their
-buffers), the reference attention, and a dump of XLA's thunks, summarized by kind:
+thread of its own, ``compat.prefer_async_gpu_dispatch``), XLA's CUDA graphs off,
+the reference attention, and a dump of XLA's thunks, summarized by kind:
 ``kCommandBuffer`` is a CUDA graph; a ``kConditional`` or ``kWhile`` outside one
 makes the host wait for the device), each in a fresh process, and prints one
 table. A variant needs about two minutes on the H200 (random init, compiling),
@@ -131,7 +130,6 @@ VARIANTS = {
     "default": {},
     "sync_dispatch": {"PJRT_GPU_ENABLE_ASYNC_DISPATCH": "0"},
     "no_command_buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
-    "update_free": {"XLA_FLAGS": "--xla_gpu_command_buffer_update_mode=NEVER_UPDATE"},
     "reference_attention": {"JAXRUNNER_ATTENTION_IMPL": "reference"},
     "thunk_dump": {"XLA_FLAGS": "--xla_dump_to={dump}"},
 }
