@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from jaxrunner.compat import is_hopper, mosaic_gpu_interpreter_off_gpu
-from jaxrunner.ops.kv_write_mgpu import ROW_BYTES_MULTIPLE, Cache, NewKV, write_kv_mgpu
+from jaxrunner.ops.kv_write_mgpu import Cache, NewKV, kernel_supports, write_kv_mgpu
 
 KERNEL_MIN_TOKENS = 1024
 """Fewest tokens for which the automatic choice takes the kernel. On the H200 (Llama-3-8B cache,
@@ -18,10 +18,8 @@ def pick_kv_write_impl(num_tokens: int, k_cache: Cache, forced: str | None) -> s
     whose rows it can copy, else XLA's scatter ("reference")."""
     if forced:
         return forced
-    num_kv_heads, head_dim = k_cache.shape[2:]
-    fits = (num_kv_heads * head_dim * k_cache.dtype.itemsize) % ROW_BYTES_MULTIPLE == 0
     large = num_tokens >= KERNEL_MIN_TOKENS
-    return "mosaic_gpu" if fits and large and is_hopper(jax.devices()[0]) else "reference"
+    return "mosaic_gpu" if large and kernel_supports(k_cache) and is_hopper(jax.devices()[0]) else "reference"
 
 
 def _scatter_slots(cache: Cache, new: NewKV, slot_mapping: Int[Array, "num_tokens"]) -> Cache:

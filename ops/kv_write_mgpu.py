@@ -27,6 +27,16 @@ ROW_BYTES_MULTIPLE = 128
 """A warpgroup's copies move a multiple of 128 bytes: a token's row (kv heads x head dim) must be one."""
 
 
+def kernel_supports(cache: Cache) -> bool:
+    """Whether the kernel can copy this cache's token rows: a multiple of ``ROW_BYTES_MULTIPLE`` bytes."""
+    return _row_bytes(cache) % ROW_BYTES_MULTIPLE == 0
+
+
+def _row_bytes(cache: Cache) -> int:
+    num_kv_heads, head_dim = cache.shape[2:]
+    return num_kv_heads * head_dim * cache.dtype.itemsize
+
+
 def _write_token(slot_ref, k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, *, block_size):
     """One program: token ``t``'s K and V rows into their slot, through shared memory."""
     t = jax.lax.axis_index("token")
@@ -66,11 +76,10 @@ def write_kv_mgpu(
     attention kernel takes has such rows); others get a ValueError.
     """
     num_tokens, num_kv_heads, head_dim = k_new.shape
-    row_bytes = num_kv_heads * head_dim * k_cache.dtype.itemsize
-    if row_bytes % ROW_BYTES_MULTIPLE:
+    if not kernel_supports(k_cache):
         raise ValueError(
             f"The KV write kernel copies rows of a multiple of {ROW_BYTES_MULTIPLE} bytes; this cache's rows "
-            f"({num_kv_heads} kv heads x {head_dim} x {k_cache.dtype.itemsize} bytes) are {row_bytes}. "
+            f"({num_kv_heads} kv heads x {head_dim} x {k_cache.dtype.itemsize} bytes) are {_row_bytes(k_cache)}. "
             "Use impl='reference' (XLA's scatter)."
         )
     k_ref = jax.new_ref(k_cache, memory_space=plgpu.GMEM)
