@@ -6,7 +6,10 @@ host work included) at each batch x context, with random bf16 weights and a
 randomly filled KV cache: pipelined as under async scheduling (the step time),
 and one step at a time (dispatch, wait for the tokens). The floor of a step is
 the bytes it must read, the weights plus every request's KV, over the measured
-copy bandwidth.
+copy bandwidth. With ``--profile`` (GPU only), CUPTI also records every kernel
+of a further pipelined run at each case: the device time a step spends inside
+kernels against its wall time (the rest is the device waiting between
+kernels), and the kernels that take the most of it.
 
     python benchmarks/decode_step.py --out results.json
 """
@@ -157,6 +160,28 @@ def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, 
     return times
 
 
+def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rng, top: int = 12) -> dict:
+    """CUPTI's record of every kernel in ``steps`` pipelined decode steps (plus the first, which adds
+    the requests): kernels and kernel time per step, and the ``top`` kernel names by time."""
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # CUPTI's activity API, as Mosaic GPU's profiler uses it
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    ext._cupti_init()
+    try:
+        time_decode(runner, batch, context, steps, rng, True)
+    finally:
+        timings = ext._cupti_get_timings(True)
+    by_name: dict[str, list[float]] = {}
+    for name, ms in timings:
+        by_name.setdefault(name, []).append(ms)
+    executed = steps + 1
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    return dict(kernels_per_step=len(timings) / executed,
+                kernel_ms_per_step=sum(ms for _, ms in timings) / executed,
+                top_kernels=[dict(name=name[:120], per_step=len(ms) / executed, ms_per_step=sum(ms) / executed)
+                             for name, ms in ranked])
+
+
 def build_runner(model: TransformerConfig, batches: list[int], max_context: int, steps: int) -> ModelRunner:
     """A runner on a random-weight ``model``, buckets exactly ``batches``, a random KV cache."""
     max_batch = max(batches)
@@ -184,6 +209,7 @@ def main() -> None:
     parser.add_argument("--floor-elements", type=int, default=1 << 30, help="bf16 elements of the copy test (2 GiB)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--out", default="decode_step.json")
+    parser.add_argument("--profile", action="store_true", help="also record each case's kernels with CUPTI (GPU)")
     args = parser.parse_args()
 
     device = jax.devices()[0]
@@ -204,6 +230,8 @@ def main() -> None:
             floor = (weight_bytes + kv_bytes) / floors["copy_bytes_per_s"]
             rows.append(dict(batch=batch, context=context, step_ms=step * 1e3, floor_ms=floor * 1e3,
                              ratio=step / floor, tokens_per_s=batch / step, one_at_a_time_ms=one_at_a_time * 1e3))
+            if args.profile:
+                rows[-1]["profile"] = kernel_profile(runner, batch, context, args.steps, rng)
     result = dict(device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                   weight_gb=weight_bytes / 1e9, load_s=load_s, precompile_s=compile_s,
                   programs=runner.num_compiled_programs, **floors, rows=rows)
@@ -216,6 +244,13 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
               f"{r['ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['one_at_a_time_ms']:>14.2f}")
+    for r in rows:
+        if "profile" in r:
+            prof = r["profile"]
+            print(f"batch {r['batch']} x {r['context']}: {prof['kernels_per_step']:.0f} kernels, "
+                  f"{prof['kernel_ms_per_step']:.2f} ms in kernels of a {r['step_ms']:.2f} ms step")
+            for k in prof["top_kernels"]:
+                print(f"  {k['ms_per_step']:7.3f} ms  x{k['per_step']:<5.0f} {k['name']}")
 
 
 if __name__ == "__main__":
