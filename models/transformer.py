@@ -361,7 +361,8 @@ class CausalLM(nnx.Module):
     """A Llama-family causal LM over packed tokens and a paged KV cache.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the storage dtype of the
-    weights (default: ``dtype``). Norm statistics, RoPE and logits are float32.
+    weights (default: ``dtype``). Norm statistics and RoPE are float32; the
+    logits come out of the lm_head in ``dtype`` and are returned as float32.
     ``mesh`` (None: one device) splits the model over its ``model`` axis; the
     parameters' shardings come from ``jaxrunner.sharding.param_shardings``.
     """
@@ -414,17 +415,22 @@ class CausalLM(nnx.Module):
         return self.model.norm(x), new_caches
 
     def compute_logits(self, hidden: Float[Array, "N E"]) -> Float[Array, "N V"]:
-        """Vocabulary logits in float32 (through the embedding when tied), whole on every device."""
+        """Vocabulary logits (through the embedding when tied), whole on every device.
+
+        As vLLM's lm_head, the matmul's output is in the model's dtype, then cast to
+        float32 for the sampler. (A bf16 x bf16 -> float32 product of one row made XLA
+        convert the whole weight to float32 every step: 1 GB more read and written.)
+        """
         if self.lm_head is None:
             weight, spec = self.model.embed_tokens.embedding[...], "ne,ve->nv"
         else:
             weight, spec = self.lm_head.kernel[...], "ne,ev->nv"
         logits = jnp.einsum(
-            spec, hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=jnp.float32
+            spec, hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=self.dtype
         )
         if tensor_parallel_size(self.mesh) > 1:
             # Each device computes its vocabulary slice, then the slices are gathered:
             # samplers read whole rows (and no device gathers the whole weight).
             logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, RULES.spec((None, "vocab"))))
             logits = jax.lax.with_sharding_constraint(logits, replicated(self.mesh))
-        return logits[:, : self.config.vocab_size]
+        return logits[:, : self.config.vocab_size].astype(jnp.float32)
