@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from variants import run_variant
 
 _ASYNC = {"PJRT_GPU_ENABLE_ASYNC_DISPATCH": "1"}
 VARIANTS = {
@@ -94,14 +94,11 @@ def main() -> None:
     for name in args.variants:
         command = [sys.executable, __file__, "--worker", "--layers", str(args.layers), "--width", str(args.width),
                    "--calls", str(args.calls)]
-        try:
-            done = subprocess.run(command, env=dict(os.environ, **VARIANTS[name]), capture_output=True, text=True,
-                                  timeout=args.timeout)
-            lines = done.stdout.strip().splitlines()
-            results[name] = json.loads(lines[-1]) if done.returncode == 0 and lines else {
-                "error": f"rc {done.returncode}: " + done.stderr.strip().splitlines()[0][:300]}
-        except subprocess.TimeoutExpired:
-            results[name] = {"error": "timed out"}
+        code, output = run_variant(command, VARIANTS[name], args.timeout)
+        lines = output.strip().splitlines()
+        reported = [line for line in lines if line.startswith("{")]  # the worker's result, its last JSON line
+        results[name] = json.loads(reported[-1]) if code == 0 and reported else {
+            "error": f"{code}: " + (lines[-1][:300] if lines else "no output")}
         (out_dir / "graph_update.json").write_text(json.dumps(results, indent=1))
     print(f"{'variant':>34} {'call (host)':>11} {'back to back':>12} {'one at a time':>13}  (ms per call)")
     for name, r in results.items():

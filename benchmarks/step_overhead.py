@@ -37,7 +37,6 @@ import os
 import pstats
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ from decode_step import (
     time_decode,
 )
 from jaxrunner.models import TransformerConfig
+from variants import run_variant
 
 NARROW_LLAMA3 = TransformerConfig(
     vocab_size=128256, hidden_size=512, intermediate_size=1024, num_layers=32,
@@ -144,19 +144,13 @@ def run_variants(args: argparse.Namespace) -> None:
              f"{'back to back':>12}  (ms)"]
     for name in args.variants:
         dump = tempfile.mkdtemp(prefix=f"thunks-{name}-")
-        env = dict(os.environ, PYTHONUNBUFFERED="1",
-                   **{k: v.format(dump=dump) for k, v in VARIANTS[name].items()})
         out = out_dir / f"step_overhead_{name}.json"
         command = [sys.executable, __file__, "--batches", *map(str, args.batches), "--context", str(args.context),
                    "--steps", str(args.steps), "--out", str(out)]
         if "{dump}" in "".join(VARIANTS[name].values()):
             command += ["--thunk-dump", dump]
-        with open(out_dir / f"step_overhead_{name}.log", "w") as log:
-            try:
-                code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=args.timeout).returncode
-            except subprocess.TimeoutExpired:
-                code = "timed out"
+        code, output = run_variant(command, {k: v.format(dump=dump) for k, v in VARIANTS[name].items()}, args.timeout)
+        (out_dir / f"step_overhead_{name}.log").write_text(output)
         if code != 0 or not out.exists():
             lines.append(f"{name:>20} failed ({code}): see step_overhead_{name}.log")
         else:

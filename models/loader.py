@@ -117,14 +117,14 @@ def hf_parts(model: nnx.Module) -> dict[tuple, list[tuple[str, int | None]]]:
 def hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     """The model's parameters as HF checkpoint tensors (merged projections split into their parts)."""
     tensors = {}
-    params = dict(nnx.iter_graph(model))
+    nodes = dict(nnx.iter_graph(model))
     for path, sources in hf_parts(model).items():
-        value = np.asarray(params[path].get_value())
+        value = np.asarray(nodes[path].get_value())
         is_kernel = path[-1] == "kernel"
         if sources[0][1] is None:
             tensors[sources[0][0]] = np.ascontiguousarray(value.T if is_kernel else value)
             continue
-        pieces = np.split(value, np.cumsum([slots for _, slots in sources])[:-1], axis=-2)
+        pieces = np.split(value, nodes[path[:-1]].split_points, axis=-2)  # the MergedProjection's parts
         for (name, _), piece in zip(sources, pieces):
             flat = piece.reshape(piece.shape[0], -1) if is_kernel else piece.reshape(-1)
             tensors[name] = np.ascontiguousarray(flat.T if is_kernel else flat)

@@ -230,13 +230,17 @@ class MergedProjection(nnx.Module):
         self.parts = parts
         self.dtype = dtype
 
+    @property
+    def split_points(self) -> np.ndarray:
+        """Where each part after the first starts on the slot axis (the kernel's second-to-last)."""
+        return np.cumsum([slots for _, slots in self.parts])[:-1]
+
     def __call__(self, x: Float[Array, "T E"]) -> list[Float[Array, "T ..."]]:
         """Each part's output, ``[T, *groups, slots, width]``."""
         y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=1)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
-        ends = np.cumsum([slots for _, slots in self.parts])[:-1]
-        return jnp.split(y, ends, axis=-2)
+        return jnp.split(y, self.split_points, axis=-2)
 
 
 class Attention(nnx.Module):
