@@ -9,7 +9,10 @@ the bytes it must read, the weights plus every request's KV, over the measured
 copy bandwidth. With ``--profile`` (GPU only), CUPTI also records every kernel
 of a further pipelined run at each case: the device time a step spends inside
 kernels against its wall time (the rest is the device waiting between
-kernels), and the kernels that take the most of it.
+kernels), and the kernels that take the most of it. With ``--trace`` (GPU
+only), a ``jax.profiler`` trace of a further run at each case gives the
+device's whole timeline (``device_timeline.py``): copies and memsets too, and
+the idle time split into its gaps, the longest named by their neighbours.
 
     python benchmarks/decode_step.py --out results.json
 """
@@ -18,8 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +36,7 @@ from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, Runner
 from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from jaxrunner.model_runner import ModelRunner
 from jaxrunner.models import TransformerConfig, init_random_model
+from device_timeline import COMMAND_BUFFER_FLAG, device_events, print_summary, summarize
 
 # A few-layer stand-in to check the script itself on a CPU.
 TINY = TransformerConfig(
@@ -182,6 +189,16 @@ def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rn
                              for name, ms in ranked])
 
 
+def traced_timeline(runner: ModelRunner, batch: int, context: int, steps: int, rng) -> dict:
+    """The device timeline of ``steps`` pipelined decode steps (plus the first), from a profiler trace."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            time_decode(runner, batch, context, steps, rng, True)
+        path = next(Path(trace_dir).rglob("*.xplane.pb"))
+        events = device_events(jax.profiler.ProfileData.from_file(str(path)))
+    return summarize(events, steps + 1)
+
+
 def build_runner(model: TransformerConfig, batches: list[int], max_context: int, steps: int) -> ModelRunner:
     """A runner on a random-weight ``model``, buckets exactly ``batches``, a random KV cache."""
     max_batch = max(batches)
@@ -210,7 +227,10 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--out", default="decode_step.json")
     parser.add_argument("--profile", action="store_true", help="also record each case's kernels with CUPTI (GPU)")
+    parser.add_argument("--trace", action="store_true", help="also trace each case's device timeline (GPU)")
     args = parser.parse_args()
+    if args.trace:  # before the backend starts: keep the CUDA graphs that an untraced run has
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFER_FLAG}".strip()
 
     device = jax.devices()[0]
     floors = measure_floors(args.floor_elements)
@@ -232,6 +252,8 @@ def main() -> None:
                              ratio=step / floor, tokens_per_s=batch / step, one_at_a_time_ms=one_at_a_time * 1e3))
             if args.profile:
                 rows[-1]["profile"] = kernel_profile(runner, batch, context, args.steps, rng)
+            if args.trace:
+                rows[-1]["timeline"] = traced_timeline(runner, batch, context, args.steps, rng)
     result = dict(device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                   weight_gb=weight_bytes / 1e9, load_s=load_s, precompile_s=compile_s,
                   programs=runner.num_compiled_programs, **floors, rows=rows)
@@ -251,6 +273,8 @@ def main() -> None:
                   f"{prof['kernel_ms_per_step']:.2f} ms in kernels of a {r['step_ms']:.2f} ms step")
             for k in prof["top_kernels"]:
                 print(f"  {k['ms_per_step']:7.3f} ms  x{k['per_step']:<5.0f} {k['name']}")
+        if "timeline" in r:
+            print_summary(f"batch {r['batch']} x {r['context']} timeline (step {r['step_ms']:.2f} ms)", r["timeline"])
 
 
 if __name__ == "__main__":
