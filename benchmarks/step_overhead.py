@@ -16,6 +16,7 @@ pays whatever the model's width. For each batch it reports, in one process:
 ``--variants`` runs the measurement once per named variant (``VARIANTS``: the
 PjRt GPU client launching on the calling thread (jaxrunner's default is a
 thread of its own, ``compat.prefer_async_gpu_dispatch``), XLA's CUDA graphs off,
+conditionals and loops inside the CUDA graphs (XLA leaves them out by default),
 the reference attention, and a dump of XLA's thunks, summarized by kind:
 ``kCommandBuffer`` is a CUDA graph; a ``kConditional`` or ``kWhile`` outside one
 makes the host wait for the device), each in a fresh process, and prints one
@@ -23,7 +24,7 @@ table. A variant needs about two minutes on the H200 (random init, compiling),
 less where the persistent compilation cache already holds its programs:
 
     python benchmarks/step_overhead.py --out step_overhead.json
-    python benchmarks/step_overhead.py --variants default sync_dispatch thunk_dump --out-dir $OUT
+    python benchmarks/step_overhead.py --variants default graph_conditionals thunk_dump --out-dir $OUT
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ VARIANTS = {
     "default": {},
     "sync_dispatch": {"PJRT_GPU_ENABLE_ASYNC_DISPATCH": "0"},
     "no_command_buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+    # The sample program's lax.cond stages (and the top-k loop) as CUDA graph conditional nodes, instead of
+    # thunks outside the graph that make the launching thread wait for the device at every predicate.
+    "graph_conditionals": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"},
     "reference_attention": {"JAXRUNNER_ATTENTION_IMPL": "reference"},
     "thunk_dump": {"XLA_FLAGS": "--xla_dump_to={dump}"},
 }
