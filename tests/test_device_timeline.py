@@ -1,0 +1,32 @@
+"""The device-timeline summary that ``benchmarks/decode_step.py --trace`` prints, on a known timeline."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+from device_timeline import Event, summarize  # noqa: E402
+
+
+def test_busy_idle_and_gaps_of_overlapping_streams():
+    # Two steps on two streams: a kernel overlapping another, a copy, and two gaps (8 us, 200 us).
+    events = [
+        Event("gemm", "Stream #1", 0, 10_000),
+        Event("norm", "Stream #1", 5_000, 12_000),
+        Event("MemcpyH2D", "Stream #2", 20_000, 21_000),
+        Event("attention", "Stream #1", 221_000, 222_000),
+    ]
+    summary = summarize(events, num_steps=2)
+    assert summary["span_ms_per_step"] == pytest.approx(0.222 / 2)
+    assert summary["busy_ms_per_step"] == pytest.approx(0.014 / 2)
+    assert summary["idle_ms_per_step"] == pytest.approx(0.208 / 2)
+    assert summary["kinds"]["copy"] == {"per_step": 0.5, "ms_per_step": pytest.approx(0.001 / 2)}
+    assert summary["gaps"]["2-10 us"]["per_step"] == 0.5 and summary["gaps"]["100-inf us"]["per_step"] == 0.5
+    longest = summary["longest_gaps"][0]
+    assert (longest["us"], longest["after"], longest["before"]) == (200.0, "MemcpyH2D", "attention")
+    assert summary["longest_gaps"][1]["after"] == "norm"  # the run's last end, not its last start
+
+
+def test_no_device_events_says_so():
+    assert "error" in summarize([], num_steps=1)
