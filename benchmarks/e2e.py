@@ -43,7 +43,9 @@ share at batch 64); e 170 (15 s to start, 30 s to compile and warm up, three
 batches of 4.8 s, one batch of 64, then the decode case 1x1024, a recompile of
 35-60 s). Call 2, about 550: d 185 (cold start-up, 1000 steps
 of ~85 ms); e 215 (15 s to start, ~35 s to compile, 1000 steps of 0.159 s); f
-150 (cold ~110, warm ~40; last, so the budget cuts it first).
+150 (cold ~110, warm ~40; last, so the budget cuts it first). Measured on
+2026-12-04: a 15, b 166 (131 + 35), d 105 for 256 x 1000/1000 (steps of ~30 ms
+by then), e 223, f 145 (cold 119, warm 26); parts a b d e in one call took 531 s.
 
 On a CPU, every part at toy sizes in a few minutes (the check of this script):
 
