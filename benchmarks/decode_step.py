@@ -169,7 +169,11 @@ def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, 
 
 def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rng, top: int = 12) -> dict:
     """CUPTI's record of every kernel in ``steps`` pipelined decode steps (plus the first, which adds
-    the requests): kernels and kernel time per step, and the ``top`` kernel names by time."""
+    the requests): kernels and kernel time per step, and the ``top`` kernel names by time.
+
+    Kernel time is the sum of the kernels' durations: were two streams to run kernels at
+    once, it would count both, so the step's time outside kernels is a lower bound.
+    """
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # CUPTI's activity API, as Mosaic GPU's profiler uses it
 
     ext = mosaic_gpu_lib._mosaic_gpu_ext
@@ -194,7 +198,9 @@ def traced_timeline(runner: ModelRunner, batch: int, context: int, steps: int, r
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             time_decode(runner, batch, context, steps, rng, True)
-        path = next(Path(trace_dir).rglob("*.xplane.pb"))
+        path = next(Path(trace_dir).rglob("*.xplane.pb"), None)
+        if path is None:
+            return {"error": "the profiler wrote no trace"}
         events = device_events(jax.profiler.ProfileData.from_file(str(path)))
     return summarize(events, steps + 1)
 

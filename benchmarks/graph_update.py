@@ -75,6 +75,17 @@ def measure(layers: int, width: int, calls: int) -> dict:
             "one_at_a_time_ms": statistics.median(one_at_a_time) * 1e3}
 
 
+def last_json_object(lines: list[str]) -> dict | None:
+    """The worker's result: the last of ``lines`` that parses as a JSON object (stderr shares the stream)."""
+    for line in reversed(lines):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=300)
@@ -96,9 +107,8 @@ def main() -> None:
                    "--calls", str(args.calls)]
         code, output = run_variant(command, VARIANTS[name], args.timeout)
         lines = output.strip().splitlines()
-        reported = [line for line in lines if line.startswith("{")]  # the worker's result, its last JSON line
-        results[name] = json.loads(reported[-1]) if code == 0 and reported else {
-            "error": f"{code}: " + (lines[-1][:300] if lines else "no output")}
+        result = last_json_object(lines) if code == 0 else None
+        results[name] = result or {"error": f"{code}: " + (lines[-1][:300] if lines else "no output")}
         (out_dir / "graph_update.json").write_text(json.dumps(results, indent=1))
     print(f"{'variant':>34} {'call (host)':>11} {'back to back':>12} {'one at a time':>13}  (ms per call)")
     for name, r in results.items():

@@ -8,12 +8,23 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 
-def run_variant(command: list[str], overrides: dict[str, str], timeout: float) -> tuple[int | str, str]:
+def run_variant(command: list[str], overrides: dict[str, str], timeout: float,
+                log: Path | None = None) -> tuple[int | str, str]:
     """Run ``command`` with this environment plus ``overrides``: its exit code (or ``"timed out"``)
-    and its output, stdout and stderr together (up to the timeout)."""
+    and its output, stdout and stderr together. With ``log``, the output streams into that file
+    as it comes, so that it survives this process being stopped."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **overrides)
+    if log is not None:
+        with open(log, "w") as sink:
+            try:
+                code: int | str = subprocess.run(command, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                                 timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                code = "timed out"
+        return code, log.read_text()
     try:
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=timeout)

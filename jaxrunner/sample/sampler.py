@@ -6,8 +6,9 @@ min_tokens -> repetition / frequency / presence penalties -> bad words ->
 argmax. Every stage runs under ``lax.cond`` on whether any row of the batch
 uses it, so features a batch does not use cost one reduction over its flags.
 On a GPU, XLA keeps conditionals out of its CUDA graphs unless
-``--xla_gpu_enable_command_buffer`` names CONDITIONAL: each is then a host
-round trip for its predicate (``benchmarks/step_overhead.py`` measures both).
+``--xla_gpu_enable_command_buffer`` names CONDITIONAL, and a conditional outside
+a graph copies its predicate to the host and waits for it
+(``benchmarks/step_overhead.py`` times both settings).
 """
 
 from __future__ import annotations
