@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,17 +76,6 @@ def measure(layers: int, width: int, calls: int) -> dict:
             "one_at_a_time_ms": statistics.median(one_at_a_time) * 1e3}
 
 
-def last_json_object(lines: list[str]) -> dict | None:
-    """The worker's result: the last of ``lines`` that parses as a JSON object (stderr shares the stream)."""
-    for line in reversed(lines):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-    return None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=300)
@@ -94,21 +84,25 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out-dir", default="graph_update")
     parser.add_argument("--timeout", type=float, default=90)
-    parser.add_argument("--worker", action="store_true", help="measure in this process (what each variant runs)")
+    parser.add_argument("--worker", help="measure in this process and write the result to this JSON file")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.layers, args.width, args.calls)))
+        Path(args.worker).write_text(json.dumps(measure(args.layers, args.width, args.calls)))
         return
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix="graph_update-"))  # per-variant files, kept out of --out-dir
     results = {}
     for name in args.variants:
-        command = [sys.executable, __file__, "--worker", "--layers", str(args.layers), "--width", str(args.width),
-                   "--calls", str(args.calls)]
-        code, output = run_variant(command, VARIANTS[name], args.timeout)
-        lines = output.strip().splitlines()
-        result = last_json_object(lines) if code == 0 else None
-        results[name] = result or {"error": f"{code}: " + (lines[-1][:300] if lines else "no output")}
+        out, log = work_dir / f"{name}.json", work_dir / f"{name}.log"
+        command = [sys.executable, __file__, "--worker", str(out), "--layers", str(args.layers),
+                   "--width", str(args.width), "--calls", str(args.calls)]
+        code = run_variant(command, VARIANTS[name], args.timeout, log)
+        if code == 0 and out.exists():
+            results[name] = json.loads(out.read_text())
+        else:
+            lines = log.read_text().strip().splitlines()
+            results[name] = {"error": f"{code}: " + (lines[-1][:300] if lines else "no output")}
         (out_dir / "graph_update.json").write_text(json.dumps(results, indent=1))
     print(f"{'variant':>34} {'call (host)':>11} {'back to back':>12} {'one at a time':>13}  (ms per call)")
     for name, r in results.items():

@@ -154,7 +154,7 @@ def run_variants(args: argparse.Namespace) -> None:
         if "{dump}" in "".join(VARIANTS[name].values()):
             command += ["--thunk-dump", dump]
         overrides = {k: v.format(dump=dump) for k, v in VARIANTS[name].items()}
-        code, _ = run_variant(command, overrides, args.timeout, log=out_dir / f"step_overhead_{name}.log")
+        code = run_variant(command, overrides, args.timeout, out_dir / f"step_overhead_{name}.log")
         if code != 0 or not out.exists():
             lines.append(f"{name:>20} failed ({code}): see step_overhead_{name}.log")
         else:

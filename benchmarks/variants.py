@@ -11,24 +11,12 @@ import subprocess
 from pathlib import Path
 
 
-def run_variant(command: list[str], overrides: dict[str, str], timeout: float,
-                log: Path | None = None) -> tuple[int | str, str]:
-    """Run ``command`` with this environment plus ``overrides``: its exit code (or ``"timed out"``)
-    and its output, stdout and stderr together. With ``log``, the output streams into that file
-    as it comes, so that it survives this process being stopped."""
+def run_variant(command: list[str], overrides: dict[str, str], timeout: float, log: Path) -> int | str:
+    """Run ``command`` with this environment plus ``overrides``, its stdout and stderr streaming into
+    ``log`` (so that they survive this process being stopped): its exit code, or ``"timed out"``."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **overrides)
-    if log is not None:
-        with open(log, "w") as sink:
-            try:
-                code: int | str = subprocess.run(command, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                                 timeout=timeout).returncode
-            except subprocess.TimeoutExpired:
-                code = "timed out"
-        return code, log.read_text()
-    try:
-        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout)
-        return done.returncode, done.stdout
-    except subprocess.TimeoutExpired as exc:
-        output = exc.output or ""
-        return "timed out", output.decode(errors="replace") if isinstance(output, bytes) else output
+    with open(log, "w") as sink:
+        try:
+            return subprocess.run(command, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return "timed out"
