@@ -5,7 +5,9 @@ ran, not what the device waited for between them. The profiler's trace holds
 every kernel, copy and memset on every stream of the device, so the time with
 nothing running can be split into its gaps: many short ones (the cost of one
 kernel boundary) or a few long ones (a copy, a program boundary, the host), each
-long gap named by the events on either side. XLA runs programs without CUDA
+long gap named by the events on either side and by the host's longest events
+during it (the trace's host threads: PjRt's calls, CUDA API calls such as a
+synchronize, Python's). XLA runs programs without CUDA
 graphs while it profiles unless ``--xla_enable_command_buffers_during_profiling``
 is set; ``COMMAND_BUFFER_FLAG`` is that flag, for a trace of what runs untraced.
 """
@@ -28,7 +30,8 @@ class Event:
 
 def device_events(profile, plane_prefix: str = "/device:GPU:0", line_prefix: str = "Stream") -> list[Event]:
     """The events of the first plane named ``plane_prefix...``, on its lines named ``line_prefix...``
-    (a GPU's streams; the derived lines a trace may also hold would count the same work twice)."""
+    (a GPU's streams; the derived lines a trace may also hold would count the same work twice).
+    ``host_events`` reads the host's threads with the same function."""
     plane = next((p for p in profile.planes if p.name.startswith(plane_prefix)), None)
     if plane is None:
         return []
@@ -39,14 +42,30 @@ def device_events(profile, plane_prefix: str = "/device:GPU:0", line_prefix: str
     )
 
 
+def host_events(profile) -> list[Event]:
+    """Every event on the host's threads (one line per thread)."""
+    return device_events(profile, plane_prefix="/host:CPU", line_prefix="")
+
+
+def host_during(start_ns: float, end_ns: float, host: list[Event], top: int = 8) -> list[str]:
+    """The ``top`` host events that overlap [start_ns, end_ns) the longest, as "thread: name (overlap us;
+    the event's whole duration and its start relative to the window's)": an event that began long before
+    the window was waiting, one that began with it was working."""
+    overlap = [(min(e.end_ns, end_ns) - max(e.start_ns, start_ns), e) for e in host
+               if e.start_ns < end_ns and e.end_ns > start_ns]
+    return [f"{e.line}: {e.name[:60]} ({ns / 1e3:.0f} us; {(e.end_ns - e.start_ns) / 1e3:.0f} us from "
+            f"{(e.start_ns - start_ns) / 1e3:+.0f} us)" for ns, e in sorted(overlap, key=lambda x: -x[0])[:top]]
+
+
 def kind_of(name: str) -> str:
     lowered = name.lower()
     return "copy" if "memcpy" in lowered else "memset" if "memset" in lowered else "kernel"
 
 
-def summarize(events: list[Event], num_steps: int, top: int = 10) -> dict:
+def summarize(events: list[Event], num_steps: int, top: int = 10, host: list[Event] = ()) -> dict:
     """Per step: the span, the time some event runs (streams merged), the time per event kind, the idle
-    gaps by length class, and the ``top`` longest gaps with the events that end and start them."""
+    gaps by length class, and the ``top`` longest gaps with the events that end and start them and,
+    given the ``host``'s events, what the host was doing meanwhile."""
     if not events:
         return {"error": "no device events in the trace"}
     gaps = []
@@ -55,7 +74,7 @@ def summarize(events: list[Event], num_steps: int, top: int = 10) -> dict:
     for event in events[1:]:
         if event.start_ns > run_end:
             busy_ns += run_end - run_start
-            gaps.append((event.start_ns - run_end, last.name, event.name))
+            gaps.append((event.start_ns - run_end, last.name, event.name, run_end))
             run_start = event.start_ns
         if event.end_ns >= run_end:
             run_end, last = event.end_ns, event
@@ -67,7 +86,7 @@ def summarize(events: list[Event], num_steps: int, top: int = 10) -> dict:
     bounds = [*GAP_BINS_US, float("inf")]
     classes = {}
     for low, high in zip([0.0, *GAP_BINS_US], bounds):
-        inside = [g for g, _, _ in gaps if low * 1e3 <= g < high * 1e3]
+        inside = [g for g, *_ in gaps if low * 1e3 <= g < high * 1e3]
         classes[f"{low:g}-{high:g} us"] = {"per_step": len(inside) / num_steps,
                                            "ms_per_step": sum(inside) / 1e6 / num_steps}
     return {
@@ -77,8 +96,9 @@ def summarize(events: list[Event], num_steps: int, top: int = 10) -> dict:
         "kinds": {k: {"per_step": len(d) / num_steps, "ms_per_step": sum(d) / 1e6 / num_steps}
                   for k, d in per_kind.items()},
         "gaps": classes,
-        "longest_gaps": [{"us": g / 1e3, "after": a[:80], "before": b[:80]}
-                         for g, a, b in sorted(gaps, reverse=True)[:top]],
+        "longest_gaps": [{"us": g / 1e3, "after": a[:80], "before": b[:80],
+                          "host": host_during(start, start + g, list(host))}
+                         for g, a, b, start in sorted(gaps, reverse=True)[:top]],
     }
 
 
@@ -93,3 +113,5 @@ def print_summary(label: str, summary: dict) -> None:
                                            for name, c in summary["gaps"].items()))
     for gap in summary["longest_gaps"]:
         print(f"  {gap['us']:8.1f} us after {gap['after']!r} before {gap['before']!r}")
+        for event in gap["host"]:
+            print(f"             host {event}")

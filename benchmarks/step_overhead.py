@@ -15,16 +15,17 @@ pays whatever the model's width. For each batch it reports, in one process:
 
 ``--variants`` runs the measurement once per named variant (``VARIANTS``: the
 PjRt GPU client launching on the calling thread (jaxrunner's default is a
-thread of its own, ``compat.prefer_async_gpu_dispatch``), XLA's CUDA graphs off,
-conditionals and loops inside the CUDA graphs (XLA leaves them out by default),
-the reference attention, and a dump of XLA's thunks, summarized by kind:
-``kCommandBuffer`` is a CUDA graph; a ``kConditional`` or ``kWhile`` outside one
-makes the host wait for the device), each in a fresh process, and prints one
-table. A variant needs about two minutes on the H200 (random init, compiling),
+thread of its own, ``compat.prefer_async_gpu_dispatch``), XLA's CUDA graphs on
+(jaxrunner turns them off, ``compat.prefer_kernel_launches_to_cuda_graphs``),
+CUDA graphs with the conditionals and loops inside them (XLA leaves them out by
+default), the reference attention, and a dump of XLA's thunks, summarized by
+kind: ``kCommandBuffer`` is a CUDA graph; a ``kConditional`` or ``kWhile``
+outside one makes the host wait for the device), each in a fresh process, and
+prints one table. A variant needs about two minutes on the H200 (random init, compiling),
 less where the persistent compilation cache already holds its programs:
 
     python benchmarks/step_overhead.py --out step_overhead.json
-    python benchmarks/step_overhead.py --variants default graph_conditionals thunk_dump --out-dir $OUT
+    python benchmarks/step_overhead.py --variants default cuda_graphs graph_conditionals --out-dir $OUT
 """
 
 from __future__ import annotations
@@ -130,9 +131,11 @@ def profile_steps(runner, batch: int, context: int, steps: int) -> str:
 VARIANTS = {
     "default": {},
     "sync_dispatch": {"PJRT_GPU_ENABLE_ASYNC_DISPATCH": "0"},
-    "no_command_buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
-    # The sample program's lax.cond stages (and the top-k loop) as CUDA graph conditional nodes, instead of
-    # thunks outside the graph (XLA's default), each of which copies its predicate to the host and waits for it.
+    # XLA's own default list of what goes into CUDA graphs.
+    "cuda_graphs": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
+                                 "DYNAMIC_SLICE_FUSION"},
+    # As cuda_graphs, with the sample program's lax.cond stages (and the top-k loop) as CUDA graph conditional
+    # nodes instead of thunks outside the graph, each of which copies its predicate to the host and waits for it.
     "graph_conditionals": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"},
     "reference_attention": {"JAXRUNNER_ATTENTION_IMPL": "reference"},
     "thunk_dump": {"XLA_FLAGS": "--xla_dump_to={dump}"},

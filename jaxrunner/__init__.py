@@ -1,8 +1,9 @@
 """jaxrunner: vLLM's V1 GPU model runner and offline engine in JAX/XLA."""
 
-from jaxrunner.compat import prefer_async_gpu_dispatch
+from jaxrunner.compat import prefer_async_gpu_dispatch, prefer_kernel_launches_to_cuda_graphs
 
 prefer_async_gpu_dispatch()  # before anything starts JAX's GPU backend
+prefer_kernel_launches_to_cuda_graphs()
 
 from jaxrunner.interfaces import SamplingParams  # noqa: E402
 from jaxrunner.llm import LLM  # noqa: E402

@@ -9,19 +9,37 @@ from collections.abc import Iterator
 import jax
 
 ASYNC_DISPATCH_ENV_VAR = "PJRT_GPU_ENABLE_ASYNC_DISPATCH"
+COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
 
 
 def prefer_async_gpu_dispatch() -> None:
     """Have the PjRt GPU client launch each program from a thread of its own, unless the user chose.
 
-    By default a call into a compiled program updates and launches its CUDA graph
-    on the calling thread: a decode step's forward call held the engine's Python
+    By default a call into a compiled program launches its kernels (then in a CUDA
+    graph) on the calling thread: a decode step's forward call held the engine's Python
     thread for 7-11 ms (``benchmarks/step_overhead.py``), so the next step could
     not be prepared meanwhile. Read once, when JAX starts its GPU backend, so it
     must be set before the first computation; ``PJRT_GPU_ENABLE_ASYNC_DISPATCH=0``
     keeps the synchronous launch.
     """
     os.environ.setdefault(ASYNC_DISPATCH_ENV_VAR, "1")
+
+
+def prefer_kernel_launches_to_cuda_graphs() -> None:
+    """Have XLA launch a GPU program's kernels one by one rather than as CUDA graphs, unless the user chose.
+
+    A decode step's forward is one CUDA graph of about 600 kernels. Its temporary
+    and output buffers move from call to call, so before every launch XLA updates
+    nearly every node of the graph (about 2 ms of host time), and the updated graph
+    starts only once its previous launch has finished: the GPU sat idle 2-3 ms in
+    every step (``benchmarks/decode_step.py --trace``). Launched one by one from
+    PjRt's own thread, the kernels queue up while the previous step runs. Read
+    once, when JAX starts its GPU backend; a ``--xla_gpu_enable_command_buffer``
+    of the user's in ``XLA_FLAGS`` is kept.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if COMMAND_BUFFER_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFER_FLAG}=".strip()
 
 
 def enable_persistent_compilation_cache(cache_dir: str) -> None:

@@ -125,8 +125,8 @@ def prepare_inputs(
 
     token_index = jnp.arange(shape.num_tokens, dtype=jnp.int32)
     is_real = token_index < total
-    # compare_all: one fused comparison; the default binary search is a loop, which XLA keeps outside the
-    # step's CUDA graph (the only loop the batch-64 forward had).
+    # compare_all: one fused comparison; the default binary search is a loop, whose condition XLA reads
+    # back on the host at every iteration (the only loop the batch-64 forward had).
     token_req = jnp.clip(
         jnp.searchsorted(query_start_loc[1:], token_index, side="right", method="compare_all"), 0, r - 1
     ).astype(jnp.int32)

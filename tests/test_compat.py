@@ -15,3 +15,14 @@ def test_async_gpu_dispatch_is_on_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv(compat.ASYNC_DISPATCH_ENV_VAR, "0")
     importlib.reload(jaxrunner)
     assert os.environ[compat.ASYNC_DISPATCH_ENV_VAR] == "0"
+
+
+def test_cuda_graphs_are_off_unless_the_user_chose(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/dump")
+    importlib.reload(jaxrunner)
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/dump --xla_gpu_enable_command_buffer="
+    importlib.reload(jaxrunner)  # a second import adds nothing
+    assert os.environ["XLA_FLAGS"].count("--xla_gpu_enable_command_buffer") == 1
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
+    importlib.reload(jaxrunner)
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-from device_timeline import Event, summarize  # noqa: E402
+from device_timeline import Event, host_during, summarize  # noqa: E402
 
 
 def test_busy_idle_and_gaps_of_overlapping_streams():
@@ -26,6 +26,19 @@ def test_busy_idle_and_gaps_of_overlapping_streams():
     longest = summary["longest_gaps"][0]
     assert (longest["us"], longest["after"], longest["before"]) == (200.0, "MemcpyH2D", "attention")
     assert summary["longest_gaps"][1]["after"] == "norm"  # the run's last end, not its last start
+
+
+def test_a_gap_names_the_host_events_that_overlap_it_longest():
+    device = [Event("sample", "Stream #1", 0, 1_000), Event("forward", "Stream #1", 101_000, 102_000)]
+    host = [
+        Event("Execute", "pjrt", 500, 100_500),  # overlaps the 100 us gap for 99.5 us
+        Event("cuStreamSynchronize", "pjrt", 30_000, 60_000),  # 30 us inside it
+        Event("python", "main", 0, 900),  # ends before the gap
+    ]
+    gap = summarize(device, num_steps=1, host=host)["longest_gaps"][0]
+    assert gap["host"] == ["pjrt: Execute (100 us; 100 us from -0 us)",
+                           "pjrt: cuStreamSynchronize (30 us; 30 us from +29 us)"]
+    assert host_during(1_000, 101_000, host, top=1) == ["pjrt: Execute (100 us; 100 us from -0 us)"]
 
 
 def test_no_device_events_says_so():
