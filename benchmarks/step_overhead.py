@@ -196,7 +196,7 @@ def main() -> None:
                    time_decode(runner, batch, args.context, args.steps, rng, False)[3:]) * 1e3,
                **dispatch_times(runner, batch, args.context, args.steps),
                "forward_hlo": hlo_op_counts(runner._forward_programs.get(batch).as_text()),
-               "sample_hlo": hlo_op_counts(runner._sample_programs.get(batch).as_text()),
+               "sample_hlo": hlo_op_counts(runner._sample_programs.get((batch, True)).as_text()),  # greedy: plain
                "host_profile": profile_steps(runner, batch, args.context, args.steps)}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "host_profile"}), flush=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import jax
@@ -98,12 +98,12 @@ class CompiledPrograms:
     use; ``num_compiled`` counts the buckets compiled so far.
     """
 
-    def __init__(self, name: str, lower: Callable[[int], jax.stages.Lowered]):
+    def __init__(self, name: str, lower: Callable[[Hashable], jax.stages.Lowered]):
         self.name = name
         self._lower = lower
-        self._programs: dict[int, jax.stages.Compiled] = {}
+        self._programs: dict[Hashable, jax.stages.Compiled] = {}
 
-    def get(self, bucket: int) -> jax.stages.Compiled:
+    def get(self, bucket: Hashable) -> jax.stages.Compiled:
         """The program for ``bucket``, lowered and compiled on first use."""
         program = self._programs.get(bucket)
         if program is None:

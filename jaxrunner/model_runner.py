@@ -247,11 +247,16 @@ class ModelRunner:
         """Precompile every bucket (the counterpart of CUDA graph capture); returns seconds."""
         start = time.perf_counter()
         jobs = [(self._forward_programs, b) for b in self.token_buckets]
-        jobs += [(self._sample_programs, b) for b in self.request_buckets]
+        jobs += [(self._sample_programs, (b, plain)) for b in self.request_buckets for plain in self._sample_paths]
         jobs += [(self._write_programs, b) for b in self.request_buckets]
         for programs, bucket in tqdm(jobs, desc="Precompiling buckets", leave=False):
             programs.get(bucket)
         return time.perf_counter() - start
+
+    @property
+    def _sample_paths(self) -> tuple[bool, ...]:
+        """The sampling programs' ``plain`` values: the plain path exists without drafts only."""
+        return (False,) if self.num_spec else (False, True)
 
     @property
     def num_compiled_programs(self) -> int:
@@ -292,7 +297,7 @@ class ModelRunner:
         # Outputs keep the inputs' layout: caches split on KV heads, everything else replicated.
         cache, whole = self.kv_cache_sharding, self.replicated
         sample_jit = jax.jit(
-            functools.partial(step_functions.sample_step, statics), static_argnames="num_rows",
+            functools.partial(step_functions.sample_step, statics), static_argnames=("num_rows", "plain"),
             donate_argnums=(2, 5), out_shardings=(cache, whole, whole, whole),
         )
         write_jit = jax.jit(
@@ -305,13 +310,16 @@ class ModelRunner:
         rows_spec = jax.tree.map(
             lambda a: self._input(a.shape, a.dtype), SampleRows.abstract(self.max_num_reqs, self.num_spec)
         )
-        self._sample_lower = lambda b, num_blocks: sample_jit.lower(
+        self._sample_lower = lambda b, num_blocks, plain=False: sample_jit.lower(
             self._abstract(self._param_leaves), self._abstract(self._draft_leaves),
             self._abstract_draft_kv(num_blocks), hidden_spec, rows_spec, self._abstract(self.device_state),
             self._input((b, words), jnp.int32), self._input((b,), jnp.bool_),
-            num_rows=b,
+            num_rows=b, plain=plain,
         )
-        self._sample_programs = CompiledPrograms("sample", lambda b: self._sample_lower(b, self.num_blocks))
+        # One program per (request bucket, plain path): see sample_tokens.
+        self._sample_programs = CompiledPrograms(
+            "sample", lambda key: self._sample_lower(key[0], self.num_blocks, key[1])
+        )
         # Compiled on first use: only batches with prompt-logprob requests need them.
         self._prompt_logprob_programs = CompiledPrograms(
             "prompt_logprobs",
@@ -483,7 +491,9 @@ class ModelRunner:
 
         Returns its ``ModelRunnerOutput``, or with async scheduling an
         ``AsyncModelRunnerOutput`` whose device-to-host copy is under way: the
-        next step can be dispatched before ``get_output()`` waits for it.
+        next step can be dispatched before ``get_output()`` waits for it. A batch
+        whose requests all sample from temperature alone, with no logprobs and no
+        grammar, runs the plain sampling program, which has no conditionals.
         """
         if self.execute_model_state is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model().")
@@ -491,12 +501,16 @@ class ModelRunner:
         self.execute_model_state = None
         bucket = batch.num_reqs_after_padding
         bitmask, active = self._grammar_rows(batch, grammar_output)
-        program = self._sample_programs.get(bucket)
+        wants_logprobs = bool(np.any((self.req_states.num_logprobs[batch.idx_mapping_np] > 0) & batch.is_sampling_np))
+        plain = (
+            self.num_spec == 0 and not wants_logprobs and not _uses_grammar(grammar_output)
+            and bool(self.req_states.plain_sampling[batch.idx_mapping_np].all())
+        )
+        program = self._sample_programs.get((bucket, plain))
         self.draft_kv_caches, self.device_state, tokens, logprobs = self._call(
             program, self._param_leaves, self._draft_leaves, self.draft_kv_caches, sample_hidden, rows, self.device_state,
             bitmask, active,
         )
-        wants_logprobs = bool(np.any((self.req_states.num_logprobs[batch.idx_mapping_np] > 0) & batch.is_sampling_np))
         pending = _PendingOutput(
             self, batch, tokens, logprobs if wants_logprobs else None, self._prompt_logprobs_of(batch, hidden)
         )
@@ -518,7 +532,7 @@ class ModelRunner:
     def _grammar_rows(self, batch: InputBatch, grammar_output: GrammarOutput | None):
         """The grammar bitmask in batch row order (a resident all-off pair when unused)."""
         bucket = batch.num_reqs_after_padding
-        if grammar_output is None or not grammar_output.structured_output_request_ids:
+        if not _uses_grammar(grammar_output):
             return self._no_grammar[bucket]
         row_of = {r: i for i, r in enumerate(batch.req_ids)}
         bitmask = np.zeros((bucket, bitmask_words(self.vocab_size)), np.int32)
@@ -565,6 +579,10 @@ class ModelRunner:
         """Raise ValueError if the runner cannot hold these parameters (capacities, token ids)."""
         pack_sampling_params(params, random.Random(0), self.config.sampler_config, self.vocab_size)
         check_logprobs_count("prompt_logprobs", params.prompt_logprobs, self.config.sampler_config)
+
+
+def _uses_grammar(grammar_output: GrammarOutput | None) -> bool:
+    return grammar_output is not None and bool(grammar_output.structured_output_request_ids)
 
 
 class _PendingOutput(AsyncModelRunnerOutput):

@@ -19,7 +19,12 @@ from jaxtyping import Array, Int
 from jaxrunner.config import SamplerConfig
 from jaxrunner.interfaces import NewRequestData
 from jaxrunner.packed_rows import RowLayout
-from jaxrunner.sample.sampling_state import SamplingArrays, pack_sampling_params, sampling_fields
+from jaxrunner.sample.sampling_state import (
+    SamplingArrays,
+    pack_sampling_params,
+    sampling_fields,
+    uses_sampling_stages,
+)
 
 
 def new_request_layout(
@@ -106,6 +111,8 @@ class RequestState:
         self.prefill_len = np.zeros(max_num_reqs, np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
         self.num_logprobs = np.zeros(max_num_reqs, np.int32)
+        # Whether the slot's request samples from temperature alone (``uses_sampling_stages`` says no).
+        self.plain_sampling = np.zeros(max_num_reqs, np.bool_)
         self._seed_rng = random.Random(seed)
         self._staged_rows: list[np.ndarray] = []
 
@@ -153,6 +160,7 @@ class RequestState:
         self.prefill_len[slot] = len(tokens)
         self.num_computed_tokens[slot] = new_req.num_computed_tokens
         self.num_logprobs[slot] = sampling["num_logprobs"]
+        self.plain_sampling[slot] = not uses_sampling_stages(sampling)
         self._staged_rows.append(
             self.layout.pack(
                 dict(

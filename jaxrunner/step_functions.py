@@ -65,9 +65,13 @@ def forward(statics: StepStatics, params, draft_params, kv_caches, draft_kv, sta
 
 def sample_step(
     statics: StepStatics, params, draft_params, draft_kv, sample_hidden, rows: SampleRows, state,
-    grammar_bitmask, grammar_active, *, num_rows: int,
+    grammar_bitmask, grammar_active, *, num_rows: int, plain: bool = False,
 ):
-    """Logits, sampling (or verification of drafts), the post-update, and the next drafts."""
+    """Logits, sampling (or verification of drafts), the post-update, and the next drafts.
+
+    ``plain``: the batch uses no sampling stage before the draw and asks for no
+    logprobs (``sample``'s plain path; without drafts only).
+    """
     model = statics.model(params)
     draft_params = statics.draft_params(draft_params)
     config = statics.sampler_config
@@ -77,7 +81,7 @@ def sample_step(
         output = sample(
             logits, state.sampling, state.token_ids, head.idx_mapping, head.positions[:, 0],
             grammar_bitmask, grammar_active,
-            max_logprobs=config.max_logprobs, logprobs_mode=config.logprobs_mode,
+            max_logprobs=config.max_logprobs, logprobs_mode=config.logprobs_mode, plain=plain,
         )
         tokens = output.sampled_token_ids[:, None]
         state = post_update(state, rows, tokens, jnp.ones(num_rows, jnp.int32))

@@ -1,6 +1,8 @@
 """The full sampler end to end: logprobs vs transformers, seeds, distributions, constraints."""
 
+import dataclasses
 import json
+import random
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,7 @@ from jaxrunner.config import SamplerConfig
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.llm import LLM
 from jaxrunner.sample.sampler import sample
-from jaxrunner.sample.sampling_state import SamplingArrays
+from jaxrunner.sample.sampling_state import SamplingArrays, pack_sampling_params, uses_sampling_stages
 from jaxrunner.structured_outputs import StructuredOutputsParams
 from jaxrunner.tokenizer import build_byte_tokenizer
 
@@ -163,6 +165,72 @@ def test_sampled_frequencies_match_the_filtered_softmax(settings):
     # The test can tell a wrong distribution: the same counts against T off by 20%.
     wrong = dict(settings, temperature=settings["temperature"] * 1.2)
     assert _chi_square_pvalue(counts, _target(logits, **wrong)) < 1e-6
+
+
+def test_plain_path_draws_what_the_full_path_draws():
+    """Greedy and seeded random rows: the conditional-free path gives the full path's tokens."""
+    n, vocab = 6, 50
+    logits = jnp.asarray(np.random.default_rng(4).normal(0, 2.0, (n, vocab)), jnp.bfloat16)
+    seeds = np.arange(n, dtype=np.uint32) * 11 + 3
+    state = _batch_sampling(n, vocab, temperature=[0.0, 0.7, 1.3, 0.0, 1.0, 2.5], seed_lo=seeds, seed_hi=seeds + 1)
+    idx, positions = jnp.arange(n, dtype=jnp.int32), jnp.arange(n, dtype=jnp.int32) + 5
+    run = lambda plain: sample(
+        logits, state, jnp.zeros((n, 4), jnp.int32), idx, positions, jnp.zeros((n, 2), jnp.int32),
+        jnp.zeros(n, bool), max_logprobs=2, logprobs_mode="raw_logprobs", plain=plain,
+    )
+    full, plain = run(False), run(True)
+    np.testing.assert_array_equal(plain.sampled_token_ids, full.sampled_token_ids)
+    greedy = np.asarray(jnp.argmax(logits.astype(jnp.float32), axis=-1))
+    assert np.asarray(plain.sampled_token_ids)[[0, 3]].tolist() == greedy[[0, 3]].tolist()
+    assert not np.array_equal(np.asarray(plain.sampled_token_ids), greedy)  # the random rows drew noise
+    assert not np.asarray(plain.logprobs.token_ids).any()
+
+
+@pytest.mark.parametrize(
+    "params, uses",
+    [
+        (SamplingParams(temperature=0.0), False),
+        (SamplingParams(temperature=0.8, seed=1), False),
+        (SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.1), False),  # ignored by greedy rows
+        (SamplingParams(temperature=0.8, top_p=0.9), True),
+        (SamplingParams(temperature=0.8, top_k=5), True),
+        (SamplingParams(temperature=0.8, min_p=0.1), True),
+        (SamplingParams(temperature=0.0, repetition_penalty=1.1), True),
+        (SamplingParams(temperature=0.0, frequency_penalty=0.2), True),
+        (SamplingParams(temperature=0.0, presence_penalty=0.2), True),
+        (SamplingParams(temperature=0.0, logit_bias={3: 1.0}), True),
+        (SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[5]), True),
+        (SamplingParams(temperature=0.0, bad_words_token_ids=[[4, 5]]), True),
+        (SamplingParams(temperature=0.0, allowed_token_ids=[1, 2]), True),
+    ],
+)
+def test_which_parameters_use_sampling_stages(params, uses):
+    fields = pack_sampling_params(params, random.Random(0), SamplerConfig(), vocab_size=64)
+    assert uses_sampling_stages(fields) is uses
+
+
+def test_engine_takes_the_plain_path_and_samples_as_the_full_path(cache_dir):
+    """The same seeded requests with logprobs (the full path) and without (the plain path)."""
+    llm = LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=100,
+              token_buckets=[4, 64], request_buckets=[4], compilation_cache_dir=cache_dir)
+    runner = llm.llm_engine.runner
+    programs = runner._sample_programs
+    paths = []
+    get = programs.get
+    programs.get = lambda key: paths.append(key[1]) or get(key)
+    prompts = [[3, 9, 27, 81], [5, 25, 125], [7, 49]]
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=12, ignore_eos=True)
+              for t, s in [(0.0, None), (0.9, 21), (1.4, 5)]]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert set(paths) == {True}
+    paths.clear()
+    with_logprobs = [dataclasses.replace(p, logprobs=1) for p in params]
+    full = [o.outputs[0].token_ids for o in llm.generate(prompts, with_logprobs, use_tqdm=False)]
+    assert set(paths) == {False}
+    assert plain == full and len(set(plain[1])) > 3
+    # What the plain path is for: no conditional, which on a GPU would wait for the device.
+    assert " conditional(" not in programs.get((4, True)).as_text()
+    assert " conditional(" in programs.get((4, False)).as_text()
 
 
 def test_constraints_through_the_engine(cache_dir):

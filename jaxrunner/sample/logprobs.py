@@ -44,11 +44,13 @@ def compute_logprobs(
             ranks=ranks,
         )
 
-    def skip(_: None) -> LogprobsTensors:
-        return LogprobsTensors(
-            token_ids=jnp.zeros((n, max_logprobs + 1), jnp.int32),
-            logprobs=jnp.zeros((n, max_logprobs + 1), jnp.float32),
-            ranks=jnp.zeros(n, jnp.int32),
-        )
+    return jax.lax.cond(jnp.any(num_logprobs > 0), compute, lambda _: no_logprobs(n, max_logprobs), None)
 
-    return jax.lax.cond(jnp.any(num_logprobs > 0), compute, skip, None)
+
+def no_logprobs(n: int, max_logprobs: int) -> LogprobsTensors:
+    """Zeros in the shape of ``compute_logprobs``'s result: what a batch that asks for none returns."""
+    return LogprobsTensors(
+        token_ids=jnp.zeros((n, max_logprobs + 1), jnp.int32),
+        logprobs=jnp.zeros((n, max_logprobs + 1), jnp.float32),
+        ranks=jnp.zeros(n, jnp.int32),
+    )

@@ -5,10 +5,12 @@ min_tokens -> repetition / frequency / presence penalties -> bad words ->
 [greedy rows: argmax] temperature -> min_p -> top-k, top-p -> seeded Gumbel
 argmax. Every stage runs under ``lax.cond`` on whether any row of the batch
 uses it, so features a batch does not use cost one reduction over its flags.
-On a GPU, XLA keeps conditionals out of its CUDA graphs unless
-``--xla_gpu_enable_command_buffer`` names CONDITIONAL, and a conditional outside
-a graph copies its predicate to the host and waits for it
-(``benchmarks/step_overhead.py`` times both settings).
+On a GPU each conditional copies its predicate to the host, and the thread
+that launches the kernels waits for it. So a batch whose requests use none of
+the stages and ask for no logprobs takes the plain path (``plain=True``, chosen
+on the host from the requests' parameters, as vLLM's sampler checks
+``all_greedy`` and ``no_penalties``): temperature and the Gumbel draw alone,
+with no conditional.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jaxrunner.sample.logits_processors import (
     apply_min_tokens,
     apply_penalties,
 )
-from jaxrunner.sample.logprobs import LogprobsTensors, compute_logprobs
+from jaxrunner.sample.logprobs import LogprobsTensors, compute_logprobs, no_logprobs
 from jaxrunner.sample.sampling_state import SamplingArrays
 from jaxrunner.sample.top_k_top_p import apply_top_k_top_p
 
@@ -115,7 +117,7 @@ def prepare_logits(
     history = _history(token_ids, idx_mapping, positions, s.bad_words.shape[-1] - 1)
     processed = process_logits(raw, s, positions, history, grammar_bitmask, grammar_active)
     is_greedy = s.temperature <= 0.0
-    tempered = processed / jnp.where(is_greedy, 1.0, s.temperature)[:, None]
+    tempered = _temper(processed, is_greedy, s.temperature)
     random_rows = ~is_greedy
     tempered = _when(
         jnp.any(random_rows & (s.min_p > 0)),
@@ -131,8 +133,24 @@ def prepare_logits(
     return PreparedLogits(raw, processed, tempered, is_greedy, s)
 
 
-def draw(prepared: PreparedLogits, positions: Int[Array, "n"]) -> Int[Array, "n"]:
-    """Argmax for greedy rows; seeded Gumbel-max over the tempered logits for the others."""
+def _temper(logits: Logits, is_greedy: Bool[Array, "n"], temperature: Float[Array, "n"]) -> Logits:
+    return logits / jnp.where(is_greedy, 1.0, temperature)[:, None]
+
+
+def plain_logits(logits: Logits, sampling: SamplingArrays, idx_mapping: Int[Array, "n"]) -> PreparedLogits:
+    """``prepare_logits`` for a batch that uses no stage before the draw: temperature alone."""
+    raw = logits.astype(jnp.float32)
+    s = _rows(sampling, idx_mapping)
+    is_greedy = s.temperature <= 0.0
+    return PreparedLogits(raw, raw, _temper(raw, is_greedy, s.temperature), is_greedy, s)
+
+
+def draw(prepared: PreparedLogits, positions: Int[Array, "n"], *, conditional: bool = True) -> Int[Array, "n"]:
+    """Argmax for greedy rows; seeded Gumbel-max over the tempered logits for the others.
+
+    The noise is computed only when some row is random (``conditional``), or
+    for every row with no conditional.
+    """
     s = prepared.rows
     greedy_tokens = jnp.argmax(prepared.processed, axis=-1)
 
@@ -144,6 +162,8 @@ def draw(prepared: PreparedLogits, positions: Int[Array, "n"]) -> Int[Array, "n"
         noisy = jnp.argmax(prepared.tempered + gumbel_from_hash(hashes), axis=-1)
         return jnp.where(prepared.is_greedy, greedy_tokens, noisy)
 
+    if not conditional:
+        return add_noise(None).astype(jnp.int32)
     any_random = jnp.any(~prepared.is_greedy)
     return jax.lax.cond(any_random, add_noise, lambda _: greedy_tokens, None).astype(jnp.int32)
 
@@ -159,8 +179,16 @@ def sample(
     *,
     max_logprobs: int,
     logprobs_mode: str,
+    plain: bool = False,
 ) -> SamplerOutput:
-    """One token per row, and the logprobs the rows asked for."""
+    """One token per row, and the logprobs the rows asked for.
+
+    ``plain``: no row uses a stage before the draw or asks for logprobs (the
+    caller's promise), so none is applied and the logprobs are zeros.
+    """
+    if plain:
+        tokens = draw(plain_logits(logits, sampling, idx_mapping), positions, conditional=False)
+        return SamplerOutput(tokens, no_logprobs(logits.shape[0], max_logprobs))
     prepared = prepare_logits(logits, sampling, token_ids, idx_mapping, positions, grammar_bitmask, grammar_active)
     tokens = draw(prepared, positions)
     source = prepared.raw if logprobs_mode.startswith("raw") else prepared.tempered

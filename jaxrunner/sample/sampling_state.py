@@ -197,6 +197,23 @@ def pack_sampling_params(
     }
 
 
+def uses_sampling_stages(fields: dict[str, object]) -> bool:
+    """Whether a request's packed parameters (``pack_sampling_params``) turn on any stage before the draw.
+
+    The host's reading of the predicates the sampling program tests on the
+    device: allowed tokens, logit bias, min_tokens, the penalties, bad words,
+    and on random rows min_p, top-k and top-p. Wherever float32 rounding could
+    make the two disagree, it says yes (the stages then run and do nothing).
+    """
+    random_row = fields["temperature"] > 0
+    return bool(
+        fields["has_allowed"] or np.any(fields["bias_ids"] >= 0) or fields["min_tokens"] > 0
+        or fields["repetition"] != 1.0 or fields["frequency"] != 0.0 or fields["presence"] != 0.0
+        or np.any(fields["bad_words"] >= 0)
+        or (random_row and (fields["min_p"] > 0 or fields["top_k"] > 0 or fields["top_p"] < 1.0))
+    )
+
+
 def check_logprobs_count(field: str, count: int | None, config: SamplerConfig) -> None:
     """Raise ValueError if ``count`` (of the SamplingParams field ``field``) is past ``max_logprobs``."""
     if count is not None and (count == -1 or count > config.max_logprobs):
