@@ -240,6 +240,8 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true", help="also trace each case's device timeline (GPU)")
     parser.add_argument("--keep-traces", help="with --trace: copy each case's xplane.pb into this folder")
     args = parser.parse_args()
+    if args.keep_traces and not args.trace:
+        parser.error("--keep-traces keeps the traces that --trace records; add --trace")
     if args.keep_traces:
         Path(args.keep_traces).mkdir(parents=True, exist_ok=True)
     if args.trace:  # before the backend starts: where XLA_FLAGS turns CUDA graphs on, keep them while tracing

@@ -48,13 +48,15 @@ def host_events(profile) -> list[Event]:
 
 
 def host_during(start_ns: float, end_ns: float, host: list[Event], top: int = 8) -> list[str]:
-    """The ``top`` host events that overlap [start_ns, end_ns) the longest, as "thread: name (overlap us;
-    the event's whole duration and its start relative to the window's)": an event that began long before
-    the window was waiting, one that began with it was working."""
+    """The ``top`` host events that overlap [start_ns, end_ns) the longest, innermost (shortest) first
+    among equal overlaps, as "thread: name (overlap us; the event's whole duration and its start relative
+    to the window's)": an event that began long before the window was waiting, one that began with it was
+    working."""
     overlap = [(min(e.end_ns, end_ns) - max(e.start_ns, start_ns), e) for e in host
                if e.start_ns < end_ns and e.end_ns > start_ns]
+    overlap.sort(key=lambda x: (-round(x[0] / 1e3), x[1].end_ns - x[1].start_ns))
     return [f"{e.line}: {e.name[:60]} ({ns / 1e3:.0f} us; {(e.end_ns - e.start_ns) / 1e3:.0f} us from "
-            f"{(e.start_ns - start_ns) / 1e3:+.0f} us)" for ns, e in sorted(overlap, key=lambda x: -x[0])[:top]]
+            f"{round((e.start_ns - start_ns) / 1e3):+d} us)" for ns, e in overlap[:top]]
 
 
 def kind_of(name: str) -> str:

@@ -24,18 +24,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from variants import run_variant
+from variants import CUDA_GRAPHS, run_variant
 
 _ASYNC = {"PJRT_GPU_ENABLE_ASYNC_DISPATCH": "1"}
 VARIANTS = {
-    "sync_dispatch": {"PJRT_GPU_ENABLE_ASYNC_DISPATCH": "0"},
-    "async_dispatch": _ASYNC,
+    "sync_dispatch": {"XLA_FLAGS": CUDA_GRAPHS, "PJRT_GPU_ENABLE_ASYNC_DISPATCH": "0"},
+    "async_dispatch": {"XLA_FLAGS": CUDA_GRAPHS, **_ASYNC},
     "no_command_buffers": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=", **_ASYNC},
-    **{f"update_mode={mode}": {"XLA_FLAGS": f"--xla_gpu_command_buffer_update_mode={mode}", **_ASYNC}
+    **{f"update_mode={mode}": {"XLA_FLAGS": f"{CUDA_GRAPHS} --xla_gpu_command_buffer_update_mode={mode}", **_ASYNC}
        for mode in ("NEVER_UPDATE", "CAPTURE_CMD_NEVER_UPDATE", "SKIP_TEMP", "SKIP_PROFILED", "VMM_PERSISTENT_TEMP")},
 }
-"""Environment of each variant: launching on the calling thread or PjRt's own, CUDA graphs off, and XLA's
-graph update modes (their names differ between XLA versions; a name this XLA lacks fails at start-up)."""
+"""Environment of each variant: CUDA graphs launched on the calling thread or PjRt's own, CUDA graphs off, and
+XLA's graph update modes (their names differ between XLA versions; a name this XLA lacks fails at start-up)."""
 
 
 def measure(layers: int, width: int, calls: int) -> dict:

@@ -18,7 +18,7 @@ PjRt GPU client launching on the calling thread (jaxrunner's default is a
 thread of its own, ``compat.prefer_async_gpu_dispatch``), XLA's CUDA graphs on
 (jaxrunner turns them off, ``compat.prefer_kernel_launches_to_cuda_graphs``),
 CUDA graphs with the conditionals and loops inside them (XLA leaves them out by
-default), the reference attention, and a dump of XLA's thunks, summarized by
+default), the reference attention, and a dump of XLA's thunks (with CUDA graphs on), summarized by
 kind: ``kCommandBuffer`` is a CUDA graph; a ``kConditional`` or ``kWhile``
 outside one makes the host wait for the device), each in a fresh process, and
 prints one table. A variant needs about two minutes on the H200 (random init, compiling),
@@ -55,7 +55,7 @@ from decode_step import (
     time_decode,
 )
 from jaxrunner.models import TransformerConfig
-from variants import run_variant
+from variants import CUDA_GRAPHS, run_variant
 
 NARROW_LLAMA3 = TransformerConfig(
     vocab_size=128256, hidden_size=512, intermediate_size=1024, num_layers=32,
@@ -131,14 +131,12 @@ def profile_steps(runner, batch: int, context: int, steps: int) -> str:
 VARIANTS = {
     "default": {},
     "sync_dispatch": {"PJRT_GPU_ENABLE_ASYNC_DISPATCH": "0"},
-    # XLA's own default list of what goes into CUDA graphs.
-    "cuda_graphs": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
-                                 "DYNAMIC_SLICE_FUSION"},
+    "cuda_graphs": {"XLA_FLAGS": CUDA_GRAPHS},
     # As cuda_graphs, with the sample program's lax.cond stages (and the top-k loop) as CUDA graph conditional
     # nodes instead of thunks outside the graph, each of which copies its predicate to the host and waits for it.
     "graph_conditionals": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"},
     "reference_attention": {"JAXRUNNER_ATTENTION_IMPL": "reference"},
-    "thunk_dump": {"XLA_FLAGS": "--xla_dump_to={dump}"},
+    "thunk_dump": {"XLA_FLAGS": f"{CUDA_GRAPHS} --xla_dump_to={{dump}}"},
 }
 """Environment overrides of each variant; ``{dump}`` is the variant's dump folder."""
 

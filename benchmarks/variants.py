@@ -10,6 +10,10 @@ import os
 import subprocess
 from pathlib import Path
 
+CUDA_GRAPHS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
+"""XLA's own default of what goes into CUDA graphs, named explicitly: importing jaxrunner turns them off
+unless ``XLA_FLAGS`` sets this flag (``compat.prefer_kernel_launches_to_cuda_graphs``)."""
+
 
 def run_variant(command: list[str], overrides: dict[str, str], timeout: float, log: Path) -> int | str:
     """Run ``command`` with this environment plus ``overrides``, its stdout and stderr streaming into

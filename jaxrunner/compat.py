@@ -33,12 +33,13 @@ def prefer_kernel_launches_to_cuda_graphs() -> None:
     nearly every node of the graph (about 2 ms of host time), and the updated graph
     starts only once its previous launch has finished: the GPU sat idle 2-3 ms in
     every step (``benchmarks/decode_step.py --trace``). Launched one by one from
-    PjRt's own thread, the kernels queue up while the previous step runs. Read
-    once, when JAX starts its GPU backend; a ``--xla_gpu_enable_command_buffer``
+    PjRt's own thread, the kernels queue up while the previous step runs. XLA
+    reads ``XLA_FLAGS`` once, when JAX starts its first backend, so this must
+    come before JAX's first computation; a ``--xla_gpu_enable_command_buffer``
     of the user's in ``XLA_FLAGS`` is kept.
     """
     flags = os.environ.get("XLA_FLAGS", "")
-    if COMMAND_BUFFER_FLAG not in flags:
+    if not any(flag.split("=", 1)[0] == COMMAND_BUFFER_FLAG for flag in flags.split()):
         os.environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFER_FLAG}=".strip()
 
 

@@ -51,9 +51,16 @@ def _when(flag: Bool[Array, ""], stage: Callable[[Logits], Logits], logits: Logi
     return jax.lax.cond(flag, stage, lambda x: x, logits)
 
 
+# What a padding row (slot out of range) reads: values that turn no stage on; zeros elsewhere.
+_NEUTRAL_FILL = {"top_p": 1, "repetition": 1, "stop_ids": -1, "bias_ids": -1, "bad_words": -1}
+
+
 def _rows(sampling: SamplingArrays, idx: Int[Array, "n"]) -> SamplingArrays:
-    """The batch's rows of every sampling array (padding rows: zeros)."""
-    return jax.tree.map(lambda a: a.at[idx].get(mode="fill", fill_value=0), sampling)
+    """The batch's rows of every sampling array; padding rows are greedy and neutral."""
+    return SamplingArrays(**{
+        field.name: getattr(sampling, field.name).at[idx].get(mode="fill", fill_value=_NEUTRAL_FILL.get(field.name, 0))
+        for field in dataclasses.fields(sampling)
+    })
 
 
 def _history(token_ids: Int[Array, "R L"], idx: Int[Array, "n"], positions: Int[Array, "n"], length: int):
@@ -183,8 +190,11 @@ def sample(
 ) -> SamplerOutput:
     """One token per row, and the logprobs the rows asked for.
 
-    ``plain``: no row uses a stage before the draw or asks for logprobs (the
-    caller's promise), so none is applied and the logprobs are zeros.
+    ``plain``: no request of the batch uses a stage before the draw or asks for
+    logprobs (the caller's promise), so none is applied and the logprobs are
+    zeros. The tokens are the full path's: every stage works row by row and
+    leaves a row with neutral parameters unchanged, and the tokens of rows that
+    do not sample (padding, a prefill chunk before its last) are dropped.
     """
     if plain:
         tokens = draw(plain_logits(logits, sampling, idx_mapping), positions, conditional=False)
