@@ -14,10 +14,11 @@ from scipy import stats
 
 from hf_models import save_tiny_hf_model
 from jaxrunner.config import SamplerConfig
-from jaxrunner.interfaces import SamplingParams
+from jaxrunner.interfaces import NewRequestData, SamplingParams
 from jaxrunner.llm import LLM
-from jaxrunner.sample.sampler import sample
+from jaxrunner.sample.sampler import sample, stage_rows
 from jaxrunner.sample.sampling_state import SamplingArrays, pack_sampling_params, uses_sampling_stages
+from jaxrunner.states import DeviceState, RequestState, write_new_requests
 from jaxrunner.structured_outputs import StructuredOutputsParams
 from jaxrunner.tokenizer import build_byte_tokenizer
 
@@ -205,8 +206,18 @@ def test_plain_path_draws_what_the_full_path_draws():
     ],
 )
 def test_which_parameters_use_sampling_stages(params, uses):
-    fields = pack_sampling_params(params, random.Random(0), SamplerConfig(), vocab_size=64)
-    assert uses_sampling_stages(fields) is uses
+    """The host's reading of the parameters, and the device's stage predicates on the row it writes."""
+    config, vocab, prompt = SamplerConfig(), 64, [1, 2, 3]
+    assert uses_sampling_stages(pack_sampling_params(params, random.Random(0), config, vocab)) is uses
+    req_states = RequestState(2, 32, 2, 0, config, vocab)
+    slot = req_states.add_request(NewRequestData("r", prompt, params, ([0],), 0, prefill_token_ids=prompt))
+    assert req_states.plain_sampling[slot] == (not uses)
+    state = write_new_requests(DeviceState.zeros(2, 32, 2, config, vocab), req_states.take_staged_rows(1),
+                               req_states.layout)
+    row = jax.tree.map(lambda a: a[slot : slot + 1], state.sampling)
+    # The decode row that predicts the first output token.
+    acting = stage_rows(row, jnp.array([len(prompt) - 1]))
+    assert any(bool(rows[0]) for rows in acting.values()) is uses, acting
 
 
 def test_engine_takes_the_plain_path_and_samples_as_the_full_path(cache_dir):

@@ -70,31 +70,50 @@ def _history(token_ids: Int[Array, "R L"], idx: Int[Array, "n"], positions: Int[
     return jnp.where(pos >= 0, tokens, -1)
 
 
+def stage_rows(s: SamplingArrays, positions: Int[Array, "n"]) -> dict[str, Bool[Array, "n"]]:
+    """Per stage before the draw (the grammar's aside), the rows it acts on; a stage runs when any does.
+
+    ``uses_sampling_stages`` is the host's reading of the same predicates.
+    """
+    random_rows = s.temperature > 0.0
+    # Tokens generated before this one: the row predicts position ``positions + 1``.
+    generated = positions + 1 - s.prompt_len
+    return {
+        "allowed_token_ids": s.has_allowed,
+        "logit_bias": jnp.any(s.bias_ids >= 0, axis=-1),
+        "min_tokens": generated < s.min_tokens,
+        "penalties": (s.repetition != 1.0) | (s.frequency != 0.0) | (s.presence != 0.0),
+        "bad_words": jnp.any(s.bad_words >= 0, axis=(-2, -1)),
+        "min_p": random_rows & (s.min_p > 0),
+        "top_k_top_p": random_rows & ((s.top_k > 0) | (s.top_p < 1.0)),
+    }
+
+
 def process_logits(
     logits: Logits,
     s: SamplingArrays,
-    positions: Int[Array, "n"],
+    rows: dict[str, Bool[Array, "n"]],
     history: Int[Array, "n H"],
     grammar_bitmask: Int[Array, "n W"],
     grammar_active: Bool[Array, "n"],
 ) -> Logits:
-    """The stages before temperature; ``s`` holds the batch's rows."""
-    logits = _when(jnp.any(s.has_allowed), lambda x: apply_token_bitmask(x, s.allowed, s.has_allowed), logits)
+    """The stages before temperature; ``s`` holds the batch's rows, ``rows`` is ``stage_rows(s, ...)``."""
+    logits = _when(
+        jnp.any(rows["allowed_token_ids"]), lambda x: apply_token_bitmask(x, s.allowed, s.has_allowed), logits
+    )
     logits = _when(
         jnp.any(grammar_active), lambda x: apply_token_bitmask(x, grammar_bitmask, grammar_active), logits
     )
-    logits = _when(jnp.any(s.bias_ids >= 0), lambda x: apply_logit_bias(x, s.bias_ids, s.bias_values), logits)
-    # Tokens generated before this one: the row predicts position ``positions + 1``.
-    generated = positions + 1 - s.prompt_len
-    below_min = generated < s.min_tokens
-    logits = _when(jnp.any(below_min), lambda x: apply_min_tokens(x, s.stop_ids, below_min), logits)
-    penalized = (s.repetition != 1.0) | (s.frequency != 0.0) | (s.presence != 0.0)
+    logits = _when(jnp.any(rows["logit_bias"]), lambda x: apply_logit_bias(x, s.bias_ids, s.bias_values), logits)
     logits = _when(
-        jnp.any(penalized),
+        jnp.any(rows["min_tokens"]), lambda x: apply_min_tokens(x, s.stop_ids, rows["min_tokens"]), logits
+    )
+    logits = _when(
+        jnp.any(rows["penalties"]),
         lambda x: apply_penalties(x, s.prompt_bitmask, s.output_counts, s.repetition, s.frequency, s.presence),
         logits,
     )
-    return _when(jnp.any(s.bad_words >= 0), lambda x: apply_bad_words(x, s.bad_words, history), logits)
+    return _when(jnp.any(rows["bad_words"]), lambda x: apply_bad_words(x, s.bad_words, history), logits)
 
 
 @jax.tree_util.register_dataclass
@@ -122,16 +141,16 @@ def prepare_logits(
     raw = logits.astype(jnp.float32)
     s = _rows(sampling, idx_mapping)
     history = _history(token_ids, idx_mapping, positions, s.bad_words.shape[-1] - 1)
-    processed = process_logits(raw, s, positions, history, grammar_bitmask, grammar_active)
+    rows = stage_rows(s, positions)
+    processed = process_logits(raw, s, rows, history, grammar_bitmask, grammar_active)
     is_greedy = s.temperature <= 0.0
     tempered = _temper(processed, is_greedy, s.temperature)
-    random_rows = ~is_greedy
     tempered = _when(
-        jnp.any(random_rows & (s.min_p > 0)),
-        lambda x: apply_min_p(x, jnp.where(random_rows, s.min_p, 0.0)),
+        jnp.any(rows["min_p"]),
+        lambda x: apply_min_p(x, jnp.where(rows["min_p"], s.min_p, 0.0)),
         tempered,
     )
-    filters = random_rows & ((s.top_k > 0) | (s.top_p < 1.0))
+    filters = rows["top_k_top_p"]
     tempered = _when(
         jnp.any(filters),
         lambda x: apply_top_k_top_p(x, jnp.where(filters, s.top_k, 0), jnp.where(filters, s.top_p, 1.0)),
