@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -37,7 +36,14 @@ from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, Runner
 from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from jaxrunner.model_runner import ModelRunner
 from jaxrunner.models import TransformerConfig, init_random_model
-from device_timeline import COMMAND_BUFFER_FLAG, device_events, host_events, print_summary, summarize
+from device_timeline import (
+    COMMAND_BUFFER_FLAG,
+    device_events,
+    host_events,
+    print_summary,
+    save_events,
+    summarize,
+)
 
 # A few-layer stand-in to check the script itself on a CPU.
 TINY = TransformerConfig(
@@ -196,17 +202,18 @@ def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rn
 
 def traced_timeline(runner: ModelRunner, batch: int, context: int, steps: int, rng, keep: Path | None) -> dict:
     """The device timeline of ``steps`` pipelined decode steps (plus the first), from a profiler trace,
-    with the host's events during its longest gaps; the trace is copied to ``keep`` when given."""
+    with the host's events during its longest gaps; its events are saved to ``keep`` when given."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             time_decode(runner, batch, context, steps, rng, True)
         path = next(Path(trace_dir).rglob("*.xplane.pb"), None)
         if path is None:
             return {"error": "the profiler wrote no trace"}
-        if keep is not None:
-            shutil.copyfile(path, keep)
         profile = jax.profiler.ProfileData.from_file(str(path))
-    return summarize(device_events(profile), steps + 1, host=host_events(profile))
+    device, host = device_events(profile), host_events(profile)
+    if keep is not None:
+        save_events(keep, device, host)
+    return summarize(device, steps + 1, host=host)
 
 
 def build_runner(model: TransformerConfig, batches: list[int], max_context: int, steps: int) -> ModelRunner:
@@ -238,12 +245,13 @@ def main() -> None:
     parser.add_argument("--out", default="decode_step.json")
     parser.add_argument("--profile", action="store_true", help="also record each case's kernels with CUPTI (GPU)")
     parser.add_argument("--trace", action="store_true", help="also trace each case's device timeline (GPU)")
-    parser.add_argument("--keep-traces", help="with --trace: copy each case's xplane.pb into this folder")
+    parser.add_argument("--keep-events", help="with --trace: save each case's device and host events "
+                        "(a few MB of gzipped JSON; device_timeline.load_events reads them) into this folder")
     args = parser.parse_args()
-    if args.keep_traces and not args.trace:
-        parser.error("--keep-traces keeps the traces that --trace records; add --trace")
-    if args.keep_traces:
-        Path(args.keep_traces).mkdir(parents=True, exist_ok=True)
+    if args.keep_events and not args.trace:
+        parser.error("--keep-events keeps the events of the traces that --trace records; add --trace")
+    if args.keep_events:
+        Path(args.keep_events).mkdir(parents=True, exist_ok=True)
     if args.trace:  # before the backend starts: where XLA_FLAGS turns CUDA graphs on, keep them while tracing
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFER_FLAG}".strip()
 
@@ -268,7 +276,7 @@ def main() -> None:
             if args.profile:
                 rows[-1]["profile"] = kernel_profile(runner, batch, context, args.steps, rng)
             if args.trace:
-                keep = Path(args.keep_traces) / f"trace_b{batch}_c{context}.xplane.pb" if args.keep_traces else None
+                keep = Path(args.keep_events) / f"events_b{batch}_c{context}.json.gz" if args.keep_events else None
                 rows[-1]["timeline"] = traced_timeline(runner, batch, context, args.steps, rng, keep)
     result = dict(device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                   weight_gb=weight_bytes / 1e9, load_s=load_s, precompile_s=compile_s,

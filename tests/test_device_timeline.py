@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-from device_timeline import Event, host_during, summarize  # noqa: E402
+from device_timeline import Event, host_during, load_events, save_events, summarize  # noqa: E402
 
 
 def test_busy_idle_and_gaps_of_overlapping_streams():
@@ -46,3 +46,10 @@ def test_a_gap_names_the_host_events_that_overlap_it_longest():
 
 def test_no_device_events_says_so():
     assert "error" in summarize([], num_steps=1)
+
+
+def test_saved_events_read_back_the_same(tmp_path):
+    device = [Event("gemm", "Stream #1", 0, 10_000.5)]
+    host = [Event("cuGraphLaunch", "pjrt", 100, 2_000), Event("python", "main", 0, 5_000)]
+    save_events(tmp_path / "events.json.gz", device, host)
+    assert load_events(tmp_path / "events.json.gz") == (device, host)
