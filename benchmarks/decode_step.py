@@ -37,7 +37,7 @@ from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingPara
 from jaxrunner.model_runner import ModelRunner
 from jaxrunner.models import TransformerConfig, init_random_model
 from device_timeline import (
-    COMMAND_BUFFER_FLAG,
+    GRAPHS_WHILE_PROFILING_FLAG,
     device_events,
     host_events,
     print_summary,
@@ -253,7 +253,7 @@ def main() -> None:
     if args.keep_events:
         Path(args.keep_events).mkdir(parents=True, exist_ok=True)
     if args.trace:  # before the backend starts: where XLA_FLAGS turns CUDA graphs on, keep them while tracing
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFER_FLAG}".strip()
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {GRAPHS_WHILE_PROFILING_FLAG}".strip()
 
     device = jax.devices()[0]
     floors = measure_floors(args.floor_elements)

@@ -9,7 +9,7 @@ long gap named by the events on either side and by the host's longest events
 during it (the trace's host threads: PjRt's calls, CUDA API calls such as a
 synchronize, Python's). XLA runs programs without CUDA
 graphs while it profiles unless ``--xla_enable_command_buffers_during_profiling``
-is set; ``COMMAND_BUFFER_FLAG`` is that flag, for a trace of what runs untraced.
+is set; ``GRAPHS_WHILE_PROFILING_FLAG`` is that flag, for a trace of what runs untraced.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 import gzip
 import json
 
-COMMAND_BUFFER_FLAG = "--xla_enable_command_buffers_during_profiling=true"
+GRAPHS_WHILE_PROFILING_FLAG = "--xla_enable_command_buffers_during_profiling=true"
 GAP_BINS_US = (2.0, 10.0, 100.0)  # upper bounds of the gap classes; the last class is everything longer
 
 
