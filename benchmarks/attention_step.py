@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.ops.attention_metadata import AttentionMetadata
-from decode_step import measure_floors
+from decode_step import cupti_kernel_timings, measure_floors
 from jaxrunner.ops.attention_mgpu import (
     KernelConfig,
     config_for,
@@ -48,11 +48,15 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 SM_SCALE = HEAD_DIM**-0.5
 
 
-def seconds(fn, *args, repeats: int = 20) -> float:
-    """Seconds per call of ``fn(*args)``: median over ``repeats`` runs of one program of ``inner`` calls.
+def seconds(fn, *args, repeats: int = 20) -> dict:
+    """Per call of ``fn(*args)``: wall seconds, the median over ``repeats`` runs of one program of
+    ``inner`` calls; and, from CUPTI over those runs, the device seconds of all its kernels and of
+    the longest-running one (the kernel under test).
 
     The calls are unrolled, not a device loop: a loop XLA keeps on the host would add
-    a host round trip to every call and swamp a microsecond-scale kernel.
+    a host round trip to every call and swamp a microsecond-scale kernel. Wall time still
+    counts any gap while the host launches the next kernel; device time does not. Both
+    include the harness's own small kernels (the dependency add and the output sums).
     """
     inner = 10
 
@@ -67,11 +71,20 @@ def seconds(fn, *args, repeats: int = 20) -> float:
 
     looped(*args).block_until_ready()
     times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        looped(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / inner
+
+    def timed_runs():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            looped(*args).block_until_ready()
+            times.append(time.perf_counter() - start)
+
+    calls = repeats * inner
+    kernel_ms: dict[str, float] = {}
+    for name, ms in cupti_kernel_timings(timed_runs):
+        kernel_ms[name] = kernel_ms.get(name, 0.0) + ms
+    top = max(kernel_ms, key=kernel_ms.get)
+    return {"s": statistics.median(times) / inner, "device_s": sum(kernel_ms.values()) / 1e3 / calls,
+            "kernel": top[:80], "kernel_s": kernel_ms[top] / 1e3 / calls}
 
 
 def make_case(q_lens: list[int], seq_lens: list[int], seed: int = 0):
@@ -186,13 +199,16 @@ def run_case(kind, batch, context, floors) -> dict:
         row["baseline_error"] = repr(exc)
     for name, (fn, args) in timed.items():
         try:
-            t = seconds(fn, *args)
+            timing = seconds(fn, *args)
         except Exception as exc:
             row[f"{name}_error"] = "".join(traceback.format_exception_only(exc))[-2000:]
             continue
-        row[f"{name}_s"] = t
-        row[f"{name}_kv_bw_fraction"] = row["kv_bytes"] / t / floors["copy_bytes_per_s"]
-        row[f"{name}_matmul_fraction"] = row["flops"] / t / floors["matmul_flops_per_s"]
+        row[f"{name}_kernel"] = timing.pop("kernel")
+        for measure, t in timing.items():  # s (wall), device_s, kernel_s
+            row[f"{name}_{measure}"] = t
+            label = name if measure == "s" else f"{name}_{measure.removesuffix('_s')}"
+            row[f"{label}_kv_bw_fraction"] = row["kv_bytes"] / t / floors["copy_bytes_per_s"]
+            row[f"{label}_matmul_fraction"] = row["flops"] / t / floors["matmul_flops_per_s"]
     del q, k_cache, v_cache
     return row
 
@@ -237,7 +253,7 @@ def sweep_case(kind, batch, context) -> dict:
             fn = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=SM_SCALE, config=config))
             got = fn(q, k_cache, v_cache, metadata).astype(jnp.float32)
             entry["max_rel_error"] = float(jnp.max(jnp.abs(got - expected)) / jnp.max(jnp.abs(expected)))
-            entry["s"] = seconds(fn, q, k_cache, v_cache, metadata)
+            entry.update(seconds(fn, q, k_cache, v_cache, metadata))
         except Exception as exc:
             entry["error"] = "".join(traceback.format_exception_only(exc))[-1500:]
         row["configs"][name] = entry

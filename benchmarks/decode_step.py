@@ -25,6 +25,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -174,6 +175,20 @@ def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, 
     return times
 
 
+def cupti_kernel_timings(run: Callable[[], object]) -> list[tuple[str, float]]:
+    """(kernel name, milliseconds) of every kernel the GPU ran during ``run()``, from CUPTI's
+    activity API, as Mosaic GPU's own profiler reads it."""
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    ext._cupti_init()
+    try:
+        run()
+    finally:
+        timings = ext._cupti_get_timings(True)
+    return timings
+
+
 def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rng, top: int = 12) -> dict:
     """CUPTI's record of every kernel in ``steps`` pipelined decode steps (plus the first, which adds
     the requests): kernels and kernel time per step, and the ``top`` kernel names by time.
@@ -181,14 +196,7 @@ def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rn
     Kernel time is the sum of the kernels' durations: were two streams to run kernels at
     once, it would count both, so the step's time outside kernels is a lower bound.
     """
-    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # CUPTI's activity API, as Mosaic GPU's profiler uses it
-
-    ext = mosaic_gpu_lib._mosaic_gpu_ext
-    ext._cupti_init()
-    try:
-        time_decode(runner, batch, context, steps, rng, True)
-    finally:
-        timings = ext._cupti_get_timings(True)
+    timings = cupti_kernel_timings(lambda: time_decode(runner, batch, context, steps, rng, True))
     by_name: dict[str, list[float]] = {}
     for name, ms in timings:
         by_name.setdefault(name, []).append(ms)

@@ -118,6 +118,13 @@ def _bench(args: argparse.Namespace) -> None:
         "program_call_ms_per_step": sum(t.call_s for t in step_times) / steps * 1e3,
         "device_wait_ms_per_step": sum(t.wait_s for t in step_times) / steps * 1e3,
     }
+    decode_steps = sum(t.decode_steps for t in step_times)
+    if decode_steps:
+        decode_wall = sum(t.decode_wall_s for t in step_times)
+        result["decode_steps"] = decode_steps
+        result["decode_step_ms"] = decode_wall / decode_steps * 1e3
+        result["decode_host_ms_per_step"] = sum(t.decode_host_s for t in step_times) / decode_steps * 1e3
+        result["decode_host_share"] = result["decode_host_ms_per_step"] / result["decode_step_ms"]
     spec = sum((e.scheduler.spec_stats for e in engines[1:]), engines[0].scheduler.spec_stats)
     if spec.num_steps:
         result["mean_accepted_length"] = spec.mean_accepted_length
@@ -131,6 +138,9 @@ def _bench(args: argparse.Namespace) -> None:
     print(f"{result['num_steps']} steps: engine host work {result['host_ms_per_step']:.2f} ms, program calls "
           f"{result['program_call_ms_per_step']:.2f} ms, waiting for tokens {result['device_wait_ms_per_step']:.2f} ms "
           "a step")
+    if decode_steps:
+        print(f"{decode_steps} decode-only steps: {result['decode_step_ms']:.2f} ms each, engine host work "
+              f"{result['decode_host_ms_per_step']:.2f} ms ({result['decode_host_share']:.1%} of the step)")
     for name in ("ttft_ms", "tpot_ms"):
         print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in result[name].items()))
     if args.output_json:

@@ -39,6 +39,22 @@ class StepTimes:
     """Inside calls of the compiled programs, which return once XLA has launched their kernels."""
     wait_s: float = 0.0
     """Blocked until a step's sampled tokens reached the host."""
+    decode_steps: int = 0
+    """Steps that dispatched decodes only (one token per request, no new request)."""
+    decode_host_s: float = 0.0
+    """``host_s`` of those steps."""
+    decode_wall_s: float = 0.0
+    """Wall time of those steps: in steady state, the device's step time."""
+
+
+def _decodes_only(scheduler_output: SchedulerOutput) -> bool:
+    """Whether a step schedules one token for each of its requests and no new request."""
+    num_reqs = len(scheduler_output.num_scheduled_tokens)
+    return (
+        num_reqs > 0
+        and not scheduler_output.scheduled_new_reqs
+        and scheduler_output.total_num_scheduled_tokens == num_reqs
+    )
 
 
 @dataclasses.dataclass
@@ -272,11 +288,16 @@ class LLMEngine:
             self._in_flight = None
         waited = self.runner.device_wait_s - wait_before
         called = self.runner.program_call_s - call_before
+        wall = time.perf_counter() - start
         times = self.step_times
         times.num_steps += 1
         times.wait_s += waited
         times.call_s += called
-        times.host_s += time.perf_counter() - start - waited - called
+        times.host_s += wall - waited - called
+        if _decodes_only(scheduler_output):
+            times.decode_steps += 1
+            times.decode_host_s += wall - waited - called
+            times.decode_wall_s += wall
         return outputs
 
     def _can_overlap(self) -> bool:

@@ -259,4 +259,7 @@ def test_cli_generate_and_bench(tmp_path, capsys, cache_dir, monkeypatch):
     result = json.loads(result_path.read_text())
     assert result["num_prompts"] == 6 and result["output_tokens_per_s"] > 0
     assert set(result["ttft_ms"]) == {"p50", "p90", "p99", "mean"}
+    # One step prefills every prompt; every token after the first (3 to 9 a request) takes a decode-only step.
+    assert 2 <= result["decode_steps"] <= 8 and result["decode_steps"] < result["num_steps"]
+    assert 0 < result["decode_host_ms_per_step"] < result["decode_step_ms"]
     assert "req/s" in capsys.readouterr().out
