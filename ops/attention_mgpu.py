@@ -404,8 +404,9 @@ def _smem_transforms(dtype) -> tuple:
 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-MIN_STAGES_PER_SPLIT = 8
-"""Splitting shorter than this costs more in per-program setup and combining than it gains."""
+MIN_STAGES_PER_SPLIT = 2
+"""Splitting shorter than this costs more in per-program setup and combining than it gains
+(at decode 1 x 1k, splits of two stages beat splits of one in device time)."""
 
 
 def kernel_supports(dtype, head_dim: int, block_size: int) -> bool:
@@ -435,10 +436,12 @@ def choose_config(
     Decode-like batches (at most 64 query rows per request) use one compute
     warpgroup, 64-key stages in a ring of about 96 KiB (two programs can share an
     SM) and in-place ``P V`` accumulation; prefills use two compute warpgroups and
-    128-key stages in about 128 KiB. KV splits are added until the grid holds about
-    two programs per SM, each split keeping at least ``MIN_STAGES_PER_SPLIT`` stages
+    128-key stages in about 128 KiB. KV splits are added while the grid holds at most
+    one program per SM, each split keeping at least ``MIN_STAGES_PER_SPLIT`` stages
     of the longest possible request. In place: 1.17x and 1.20x faster at decode
-    1 x 1k and 16 x 1k in the H200 sweep (``attention_step.py --sweep``).
+    1 x 1k and 16 x 1k in the H200 sweep (``attention_step.py --sweep``). Splits, from
+    the device times of the H100 sweep: 16 x 1k is fastest unsplit (128 programs;
+    1.15x two splits), 1 x 1k with 8 splits of two stages (64 programs; 1.31x two).
     """
     decode_like = num_tokens * group <= num_reqs * ROWS_PER_WG
     n_wg = 1 if decode_like else 2
@@ -450,7 +453,7 @@ def choose_config(
     stages = max(2, min(4, ring_bytes // (pages * block_size * key_bytes)))
     tiles = num_tiles_bound(num_tokens, num_reqs, group, ROWS_PER_WG * n_wg)
     most_splits = max(-(-max_blocks_per_req // pages) // MIN_STAGES_PER_SPLIT, 1)
-    splits = max(1, min(-(-2 * num_sms // (tiles * num_kv_heads)), most_splits))
+    splits = max(1, min(num_sms // (tiles * num_kv_heads), most_splits))
     return KernelConfig(pages_per_stage=pages, num_stages=stages, num_compute_wgs=n_wg, num_kv_splits=splits,
                         accumulate_in_place=decode_like)
 
