@@ -92,8 +92,9 @@ def pack_step_buffer(
     scheduled[:n] = num_scheduled
     draft_tokens = np.zeros((r, k), np.int32)
     for i, tokens in enumerate(drafts):
-        num_drafts[i] = len(tokens)
-        draft_tokens[i, : len(tokens)] = tokens
+        if tokens:  # most rows have none: skip their (slow, small) numpy writes
+            num_drafts[i] = len(tokens)
+            draft_tokens[i, : len(tokens)] = tokens
     return np.concatenate([slots, scheduled, num_drafts, draft_tokens.reshape(-1), appends.reshape(-1)])
 
 

@@ -141,15 +141,28 @@ class KVCacheManager:
         step's tokens are computed get registered in the prefix cache.
         """
         req = self._requests.get(req_id)
-        computed = list(new_computed_blocks)
+        num_tokens = num_computed_tokens + num_new_tokens
+        new_blocks: list[int] = []
+        # Most decode steps stay within the request's blocks: nothing to allocate then.
+        if req is None or new_computed_blocks or num_tokens > len(req.blocks) * self.block_size:
+            grown = self._grow(req_id, req, token_ids, num_tokens, list(new_computed_blocks))
+            if grown is None:
+                return None
+            req, new_blocks = grown
+        if self.enable_caching:
+            self._cache_full_blocks(req, token_ids, min(len(token_ids), num_tokens) // self.block_size)
+        return new_blocks
+
+    def _grow(
+        self, req_id: str, req: _RequestBlocks | None, token_ids: Sequence[int], num_tokens: int, computed: list[int]
+    ) -> tuple[_RequestBlocks, list[int]] | None:
+        """Take the computed blocks and enough free ones for ``num_tokens``; None if too few are free."""
         computed_hashes = self._verified_hashes(req, token_ids, computed) if computed else []
         num_held = len(req.blocks) if req else 0
-        num_tokens = num_computed_tokens + num_new_tokens
         num_new = max(0, self.num_blocks_for(num_tokens, self.block_size) - num_held - len(computed))
         num_revived = sum(1 for b in computed if self._ref_counts[b] == 0)
         if num_new + num_revived > len(self._free):
             return None
-
         if req is None:
             req = self._requests[req_id] = _RequestBlocks()
         for block in computed:
@@ -158,9 +171,7 @@ class KVCacheManager:
         req.hashes.extend(computed_hashes)
         new_blocks = [self._pop_free() for _ in range(num_new)]
         req.blocks.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(req, token_ids, min(len(token_ids), num_tokens) // self.block_size)
-        return new_blocks
+        return req, new_blocks
 
     def free(self, req_id: str) -> None:
         """Release the request's blocks; the unreferenced ones join the free queue tail.

@@ -326,6 +326,7 @@ class LLMEngine:
         if isinstance(runner_output, AsyncModelRunnerOutput):
             runner_output = runner_output.get_output()
         touched: dict[str, _Prompt] = {}
+        ending: set[str] = set()  # prompts with a sequence that finished in this update
         self._record_prompt_logprobs(runner_output)
         logprob_rows = self._logprob_rows(runner_output)
         for request, new_tokens in self.scheduler.update_from_output(scheduler_output, runner_output):
@@ -340,11 +341,13 @@ class LLMEngine:
                 if stop_str is not None:
                     self._stop_on_string(request, stop_str)
             touched[entry.request_id] = entry
+            if request.is_finished:
+                ending.add(entry.request_id)
         if self.num_spec:
             self._propose_drafts()
         outputs = []
         for entry in touched.values():
-            finished = entry.finished
+            finished = entry.request_id in ending and entry.finished
             if finished or output_kind != RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(entry, output_kind == RequestOutputKind.DELTA))
             if finished:

@@ -397,9 +397,7 @@ class ModelRunner:
     def _slot_of(self, req_id: str) -> int:
         slot = self.req_states.req_id_to_index.get(req_id)
         if slot is None:
-            raise ValueError(
-                f"Request {req_id!r} is scheduled but not on the runner; schedule it first as a new request."
-            )
+            raise _not_on_runner(req_id)
         return slot
 
     # ------------------------------------------------------------------- steps
@@ -407,9 +405,13 @@ class ModelRunner:
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[InputBatch, np.ndarray]:
         """Order the batch (decodes first), pick buckets and pack the step buffer."""
         scheduled = scheduler_output.num_scheduled_tokens
-        req_ids = sorted(scheduled, key=lambda r: scheduled[r])
+        req_ids = sorted(scheduled, key=scheduled.__getitem__)
         num_scheduled = np.array([scheduled[r] for r in req_ids], np.int32)
-        idx_mapping = np.array([self._slot_of(r) for r in req_ids], np.int32)
+        slot_of = self.req_states.req_id_to_index
+        slots = [slot_of.get(r) for r in req_ids]
+        if None in slots:
+            raise _not_on_runner(req_ids[slots.index(None)])
+        idx_mapping = np.array(slots, np.int32)
         num_tokens = int(num_scheduled.sum())
         if num_tokens != scheduler_output.total_num_scheduled_tokens:
             raise ValueError(
@@ -430,7 +432,8 @@ class ModelRunner:
         request_bucket = pad_to_bucket(len(req_ids), self.request_buckets, "requests")
         shape = self._step_shape(token_bucket)
         appends = self.block_tables.take_staged(shape.append_capacity)
-        drafts = [scheduler_output.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        drafts = [spec.get(r, []) for r in req_ids] if spec else [[]] * len(req_ids)
         if any(len(d) > self.num_spec for d in drafts):
             raise ValueError(
                 f"A request carries more than num_speculative_tokens ({self.num_spec}) draft tokens."
@@ -585,6 +588,10 @@ def _uses_grammar(grammar_output: GrammarOutput | None) -> bool:
     return grammar_output is not None and bool(grammar_output.structured_output_request_ids)
 
 
+def _not_on_runner(req_id: str) -> ValueError:
+    return ValueError(f"Request {req_id!r} is scheduled but not on the runner; schedule it first as a new request.")
+
+
 class _PendingOutput(AsyncModelRunnerOutput):
     """A dispatched step's output: device arrays whose copy to the host has started."""
 
@@ -607,7 +614,7 @@ class _PendingOutput(AsyncModelRunnerOutput):
         self.tokens.block_until_ready()
         self.runner.device_wait_s += time.perf_counter() - start
         rows = host_copy(self.tokens)[: batch.num_reqs].tolist()
-        sampled = [[t for t in row if t >= 0] if s else [] for row, s in zip(rows, batch.is_sampling_np)]
+        sampled = [[t for t in row if t >= 0] if s else [] for row, s in zip(rows, batch.is_sampling_np.tolist())]
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},

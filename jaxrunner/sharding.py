@@ -191,5 +191,11 @@ def min_over_processes(value: int) -> int:
 
 
 def host_copy(array: jax.Array) -> np.ndarray:
-    """A replicated array's value, read from this process's own copy (so several hosts work alike)."""
-    return np.asarray(array.addressable_data(0))
+    """A replicated array's value, read from this process's own copy (so several hosts work alike).
+
+    numpy reads a replicated array from one local shard already, the one whose copy
+    ``copy_to_host_async`` started; a sharded array would need a gather, so it is refused.
+    """
+    if not array.is_fully_replicated:
+        raise ValueError(f"host_copy reads replicated arrays; this one is sharded as {array.sharding}.")
+    return np.asarray(array)
