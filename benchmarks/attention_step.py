@@ -48,15 +48,16 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 SM_SCALE = HEAD_DIM**-0.5
 
 
-def seconds(fn, *args, repeats: int = 20) -> dict:
+def seconds(fn, *args, repeats: int = 20, traced_repeats: int = 5) -> dict:
     """Per call of ``fn(*args)``: wall seconds, the median over ``repeats`` runs of one program of
-    ``inner`` calls; and, from CUPTI over those runs, the device seconds of all its kernels and of
-    the longest-running one (the kernel under test).
+    ``inner`` calls; then, from CUPTI over ``traced_repeats`` further runs, the device seconds of
+    all its kernels and of the longest-running one (the kernel under test).
 
     The calls are unrolled, not a device loop: a loop XLA keeps on the host would add
     a host round trip to every call and swamp a microsecond-scale kernel. Wall time still
     counts any gap while the host launches the next kernel; device time does not. Both
     include the harness's own small kernels (the dependency add and the output sums).
+    Without CUPTI (or with nothing recorded) only the wall time is returned.
     """
     inner = 10
 
@@ -71,20 +72,30 @@ def seconds(fn, *args, repeats: int = 20) -> dict:
 
     looped(*args).block_until_ready()
     times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        looped(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    result = {"s": statistics.median(times) / inner}
 
-    def timed_runs():
-        for _ in range(repeats):
-            start = time.perf_counter()
+    def traced_runs():
+        for _ in range(traced_repeats):
             looped(*args).block_until_ready()
-            times.append(time.perf_counter() - start)
 
-    calls = repeats * inner
+    try:
+        timings = cupti_kernel_timings(traced_runs)
+    except Exception as exc:  # CUPTI unavailable: keep the wall time
+        result["device_error"] = repr(exc)[:300]
+        return result
     kernel_ms: dict[str, float] = {}
-    for name, ms in cupti_kernel_timings(timed_runs):
+    for name, ms in timings:
         kernel_ms[name] = kernel_ms.get(name, 0.0) + ms
-    top = max(kernel_ms, key=kernel_ms.get)
-    return {"s": statistics.median(times) / inner, "device_s": sum(kernel_ms.values()) / 1e3 / calls,
-            "kernel": top[:80], "kernel_s": kernel_ms[top] / 1e3 / calls}
+    if kernel_ms:
+        calls = traced_repeats * inner
+        top = max(kernel_ms, key=kernel_ms.get)
+        result.update(device_s=sum(kernel_ms.values()) / 1e3 / calls, top_kernel=top[:80],
+                      kernel_s=kernel_ms[top] / 1e3 / calls)
+    return result
 
 
 def make_case(q_lens: list[int], seq_lens: list[int], seed: int = 0):
@@ -203,7 +214,9 @@ def run_case(kind, batch, context, floors) -> dict:
         except Exception as exc:
             row[f"{name}_error"] = "".join(traceback.format_exception_only(exc))[-2000:]
             continue
-        row[f"{name}_kernel"] = timing.pop("kernel")
+        for key in ("top_kernel", "device_error"):
+            if key in timing:
+                row[f"{name}_{key}"] = timing.pop(key)
         for measure, t in timing.items():  # s (wall), device_s, kernel_s
             row[f"{name}_{measure}"] = t
             label = name if measure == "s" else f"{name}_{measure.removesuffix('_s')}"
@@ -315,7 +328,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.kv_write:
         with open(args.out, "w") as f:
-            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "kv_write": kv_write_rows()}, f, indent=1)
+            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "kv_write": kv_write_rows()}, f, indent=1)
         return
     if args.sweep:
         rows = []
@@ -324,7 +337,7 @@ def main() -> None:
                 continue
             rows.append(sweep_case(*case))
             with open(args.out, "w") as f:
-                json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "sweep": rows}, f, indent=1)
+                json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "sweep": rows}, f, indent=1)
         return
     floors = measure_floors(1 << 30)
     print(json.dumps(floors), flush=True)
@@ -340,7 +353,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
-            json.dump({"device": str(jax.devices()[0]), "jax": jax.__version__, "floors": floors, "cases": rows}, f,
+            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "floors": floors, "cases": rows}, f,
                       indent=1)
 
 

@@ -40,7 +40,8 @@ class StepTimes:
     wait_s: float = 0.0
     """Blocked until a step's sampled tokens reached the host."""
     decode_steps: int = 0
-    """Steps that dispatched decodes only (one token per request, no new request)."""
+    """Steps that dispatched decodes only (one token per request, no new request), as did the
+    step before them: under async scheduling a step waits for the one it follows."""
     decode_host_s: float = 0.0
     """``host_s`` of those steps."""
     decode_wall_s: float = 0.0
@@ -107,6 +108,7 @@ class LLMEngine:
         self._by_request_id: dict[str, tuple[_Prompt, _Sequence]] = {}
         # A dispatched step whose tokens are not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        self._last_dispatch_decodes_only = False
         self.step_times = StepTimes()
 
     # ------------------------------------------------------------- requests
@@ -294,10 +296,12 @@ class LLMEngine:
         times.wait_s += waited
         times.call_s += called
         times.host_s += wall - waited - called
-        if _decodes_only(scheduler_output):
+        decodes_only = _decodes_only(scheduler_output)
+        if decodes_only and self._last_dispatch_decodes_only:
             times.decode_steps += 1
             times.decode_host_s += wall - waited - called
             times.decode_wall_s += wall
+        self._last_dispatch_decodes_only = decodes_only
         return outputs
 
     def _can_overlap(self) -> bool:

@@ -407,6 +407,34 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MIN_STAGES_PER_SPLIT = 2
 """Splitting shorter than this costs more in per-program setup and combining than it gains
 (at decode 1 x 1k, splits of two stages beat splits of one in device time)."""
+PROGRAM_SETUP_STAGES = 2.0
+"""A program's fixed cost (queries in, pipeline fill, output out), in stages of streaming time:
+16 x 1k in two splits (two waves) took 3.8 us more than unsplit, at 1.8 us a stage."""
+SPLIT_COMBINE_STAGES = 0.35
+"""What each further split adds to the combine, in stages of streaming time: 0.26 us a split
+at 1 x 1k (a fit of its sweep), at 0.73 us a stage."""
+
+
+def choose_splits(programs: int, kv_stages: int, num_sms: int) -> int:
+    """KV splits that minimise the modelled time of a grid of ``programs`` (tiles x kv heads)
+    streaming ``kv_stages`` each: waves of one program per SM, each wave as long as one
+    program's share of the stages plus its fixed cost, plus the combine.
+
+    The constants come from the device times of the H100 sweep (``attention_step.py
+    --sweep``), where 16 x 1k was fastest unsplit (128 programs; 1.15x two splits) and
+    1 x 1k with 4 to 8 splits (8 splits 1.31x two). Every other shape's choice is the
+    model's, not measured. A grid that already fills the SMs once is not split: unsplit,
+    64 x 4k and 256 x 32k read their KV at 94-102% of the copy rate.
+    """
+    if programs >= num_sms:
+        return 1
+    most = max(kv_stages // MIN_STAGES_PER_SPLIT, 1)
+
+    def modelled_time(splits: int) -> float:
+        waves = -(-programs * splits // num_sms)
+        return waves * (kv_stages / splits + PROGRAM_SETUP_STAGES) + SPLIT_COMBINE_STAGES * splits
+
+    return min(range(1, most + 1), key=modelled_time)
 
 
 def kernel_supports(dtype, head_dim: int, block_size: int) -> bool:
@@ -436,12 +464,9 @@ def choose_config(
     Decode-like batches (at most 64 query rows per request) use one compute
     warpgroup, 64-key stages in a ring of about 96 KiB (two programs can share an
     SM) and in-place ``P V`` accumulation; prefills use two compute warpgroups and
-    128-key stages in about 128 KiB. KV splits are added while the grid holds at most
-    one program per SM, each split keeping at least ``MIN_STAGES_PER_SPLIT`` stages
-    of the longest possible request. In place: 1.17x and 1.20x faster at decode
-    1 x 1k and 16 x 1k in the H200 sweep (``attention_step.py --sweep``). Splits, from
-    the device times of the H100 sweep: 16 x 1k is fastest unsplit (128 programs;
-    1.15x two splits), 1 x 1k with 8 splits of two stages (64 programs; 1.31x two).
+    128-key stages in about 128 KiB. KV splits by :func:`choose_splits`, over the stages
+    of the longest possible request (the block table's width). In place: 1.17x and
+    1.20x faster at decode 1 x 1k and 16 x 1k in the H200 sweep (``attention_step.py --sweep``).
     """
     decode_like = num_tokens * group <= num_reqs * ROWS_PER_WG
     n_wg = 1 if decode_like else 2
@@ -452,8 +477,9 @@ def choose_config(
     pages = max(stage_keys // block_size, 1)  # pages larger than a stage make a stage of one page
     stages = max(2, min(4, ring_bytes // (pages * block_size * key_bytes)))
     tiles = num_tiles_bound(num_tokens, num_reqs, group, ROWS_PER_WG * n_wg)
-    most_splits = max(-(-max_blocks_per_req // pages) // MIN_STAGES_PER_SPLIT, 1)
-    splits = max(1, min(num_sms // (tiles * num_kv_heads), most_splits))
+    # A decode-like batch has work in about one tile per request; the rest of the bound is padding.
+    busy_tiles = min(tiles, num_reqs) if decode_like else tiles
+    splits = choose_splits(busy_tiles * num_kv_heads, -(-max_blocks_per_req // pages), num_sms)
     return KernelConfig(pages_per_stage=pages, num_stages=stages, num_compute_wgs=n_wg, num_kv_splits=splits,
                         accumulate_in_place=decode_like)
 

@@ -19,6 +19,7 @@ from jaxrunner.ops import AttentionMetadata, ragged_paged_attention
 from jaxrunner.ops.attention_mgpu import (
     KernelConfig,
     choose_config,
+    choose_splits,
     num_tiles_bound,
     ragged_paged_attention_mgpu,
     tile_schedule,
@@ -99,6 +100,16 @@ def test_config_table_splits_only_small_grids():
     assert decode_1.num_kv_splits > 1 and decode_1.num_compute_wgs == 1
     assert decode_64.num_kv_splits == 1 and decode_64.num_compute_wgs == 1
     assert prefill.num_kv_splits == 1 and prefill.num_compute_wgs == 2
+
+
+def test_split_model_keeps_the_sweeps_optima_and_the_sms_busy():
+    """The split model against the H100 sweep's fastest split counts (16 stages of 64 keys = 1k),
+    and a grid of 9 requests at 4k (72 programs) is split rather than left on 72 of 132 SMs."""
+    assert choose_splits(programs=128, kv_stages=16, num_sms=132) == 1  # 16 x 1k
+    assert 4 <= choose_splits(programs=8, kv_stages=16, num_sms=132) <= 8  # 1 x 1k
+    assert choose_splits(programs=72, kv_stages=64, num_sms=132) > 1
+    assert choose_splits(programs=132, kv_stages=512, num_sms=132) == 1  # one full wave: never split
+    assert choose_splits(programs=1, kv_stages=3, num_sms=132) == 1  # splits keep two stages each
 
 
 def test_kernel_takes_only_the_cases_it_supports():
