@@ -291,15 +291,16 @@ class LLMEngine:
         waited = self.runner.device_wait_s - wait_before
         called = self.runner.program_call_s - call_before
         wall = time.perf_counter() - start
+        host = wall - waited - called
         times = self.step_times
         times.num_steps += 1
         times.wait_s += waited
         times.call_s += called
-        times.host_s += wall - waited - called
+        times.host_s += host
         decodes_only = _decodes_only(scheduler_output)
         if decodes_only and self._last_dispatch_decodes_only:
             times.decode_steps += 1
-            times.decode_host_s += wall - waited - called
+            times.decode_host_s += host
             times.decode_wall_s += wall
         self._last_dispatch_decodes_only = decodes_only
         return outputs
