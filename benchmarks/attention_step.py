@@ -238,9 +238,15 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
         "stages-1": dataclasses.replace(base, num_stages=max(base.num_stages - 1, 2)),
         "stages+1": dataclasses.replace(base, num_stages=base.num_stages + 1),
         "pages*2": dataclasses.replace(base, pages_per_stage=base.pages_per_stage * 2, num_stages=2),
+        # Prefill: ping-pong with the register split and in-place accumulation (attention_mgpu's recipe),
+        # and with a third ring stage.
         **({"pingpong": dataclasses.replace(base, pingpong=True),
+            "pingpong+registers": dataclasses.replace(base, pingpong=True, compute_registers=registers),
             "pingpong+registers+in_place": dataclasses.replace(base, pingpong=True, compute_registers=registers,
-                                                               accumulate_in_place=True)}
+                                                               accumulate_in_place=True),
+            "pingpong+registers+in_place+stages+1": dataclasses.replace(
+                base, pingpong=True, compute_registers=registers, accumulate_in_place=True,
+                num_stages=base.num_stages + 1)}
            if base.num_compute_wgs == 2 else {}),
         # Decode: every split count from one program per tile to 16, to see where wave quantization bites.
         **{f"splits={n}": dataclasses.replace(base, num_kv_splits=n)
