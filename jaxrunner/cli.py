@@ -11,7 +11,7 @@ import numpy as np
 _ENGINE_FLAGS = {
     "dtype": str, "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
     "gpu_memory_utilization": float, "num_gpu_blocks_override": int, "seed": int,
-    "tensor_parallel_size": int, "data_parallel_size": int,
+    "tensor_parallel_size": int, "data_parallel_size": int, "num_scheduler_steps": int,
 }
 
 

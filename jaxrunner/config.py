@@ -80,14 +80,27 @@ class SchedulerConfig:
     Off here, as in vLLM, so a runner driven by hand answers plainly; ``LLM``
     turns it on. The engine falls back to one step at a time while a request
     needs its tokens first (speculative decoding, structured outputs).
+
+    ``num_scheduler_steps`` (vLLM's multi-step scheduling) lets one scheduling
+    round run up to that many decode steps back to back in one device program,
+    so the host's work per step (scheduling, packing, output handling) is paid
+    once for all of them. It applies only while every running request is decoding
+    and can end only at its length limit, and no waiting request could be
+    admitted; otherwise the step is a single one. Counts below the maximum are
+    powers of two (:meth:`decode_step_counts`), each a compiled program per bucket.
     """
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
+        if self.num_scheduler_steps < 1:
+            raise ValueError(
+                f"SchedulerConfig.num_scheduler_steps must be at least 1; got {self.num_scheduler_steps}."
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"SchedulerConfig.max_num_seqs must be positive; got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
@@ -95,6 +108,12 @@ class SchedulerConfig:
                 "SchedulerConfig.max_num_batched_tokens must be positive; "
                 f"got {self.max_num_batched_tokens}."
             )
+
+    @property
+    def decode_step_counts(self) -> tuple[int, ...]:
+        """Decode steps one round may run: the powers of two below ``num_scheduler_steps``, and it."""
+        most = self.num_scheduler_steps
+        return tuple(sorted({most} | {2**i for i in range(most.bit_length()) if 2**i < most}))
 
 
 @dataclasses.dataclass
@@ -216,6 +235,13 @@ class RunnerConfig:
     sampler_config: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
     parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None and self.scheduler_config.num_scheduler_steps > 1:
+            raise ValueError(
+                "SchedulerConfig.num_scheduler_steps > 1 runs several plain decode steps per round and cannot "
+                "verify drafts; use speculative decoding or multi-step scheduling, not both."
+            )
 
     @property
     def num_speculative_tokens(self) -> int:

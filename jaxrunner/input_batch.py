@@ -73,6 +73,7 @@ class InputBatch:
     num_reqs_after_padding: int  # the request bucket of logits and sampling
     is_sampling_np: np.ndarray  # bool [num_reqs]
     num_drafts: np.ndarray  # int32 [num_reqs]: draft tokens to verify
+    num_steps: int = 1  # decode steps of the round; num_scheduled_tokens counts one step's tokens
 
     @property
     def num_reqs(self) -> int:

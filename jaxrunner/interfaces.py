@@ -165,6 +165,9 @@ class SchedulerOutput:
     scheduled_encoder_inputs: dict[str, list[int]] = dataclasses.field(
         default_factory=dict
     )
+    num_decode_steps: int = 1
+    """Decode steps run back to back in this round (multi-step scheduling): each request's
+    ``num_scheduled_tokens`` is this many steps of one token, and it samples one token per step."""
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:

@@ -91,6 +91,11 @@ class KVCacheManager:
         """How many running requests hold ``block_id``."""
         return self._ref_counts[block_id]
 
+    def num_blocks_to_grow(self, req_id: str, num_tokens: int) -> int:
+        """Blocks the request would have to take to hold ``num_tokens`` tokens."""
+        req = self._requests.get(req_id)
+        return max(0, self.num_blocks_for(num_tokens, self.block_size) - (len(req.blocks) if req else 0))
+
     def get_block_ids(self, req_id: str) -> list[int]:
         """A copy of the request's block ids in order; [] for an unknown request."""
         req = self._requests.get(req_id)

@@ -63,7 +63,10 @@ class LLM:
     ``gpu_memory_utilization``, ``num_gpu_blocks_override``,
     ``enable_prefix_caching``, ``enable_chunked_prefill``, ``async_scheduling``
     (on: step k+1 is scheduled and dispatched while step k's tokens are on their
-    way to the host), ``token_buckets``,
+    way to the host), ``num_scheduler_steps`` (vLLM's multi-step scheduling: up
+    to that many decode steps per round, in one device program, while every running
+    request can end only at its length limit; 1, the default, turns it off),
+    ``token_buckets``,
     ``request_buckets``, ``compilation_cache_dir``, ``max_logprobs``,
     ``logprobs_mode`` (vLLM's: raw_logprobs, raw_logits, processed_logprobs,
     processed_logits), ``speculative_config`` (e.g. ``{"method": "ngram",
@@ -89,6 +92,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = True,
+        num_scheduler_steps: int = 1,
         token_buckets: list[int] | None = None,
         request_buckets: list[int] | None = None,
         compilation_cache_dir: str | None = None,
@@ -130,6 +134,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
                 async_scheduling=async_scheduling,
+                num_scheduler_steps=num_scheduler_steps,
             ),
             compilation_config=compilation,
             sampler_config=SamplerConfig(max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),

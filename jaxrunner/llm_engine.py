@@ -40,8 +40,9 @@ class StepTimes:
     wait_s: float = 0.0
     """Blocked until a step's sampled tokens reached the host."""
     decode_steps: int = 0
-    """Steps that dispatched decodes only (one token per request, no new request), as did the
-    step before them: under async scheduling a step waits for the one it follows."""
+    """Decode steps dispatched by steps that dispatched decodes only (one token per request and
+    decode step, no new request), as did the step before them: under async scheduling a step
+    waits for the one it follows. A round of several decode steps counts as that many."""
     decode_host_s: float = 0.0
     """``host_s`` of those steps."""
     decode_wall_s: float = 0.0
@@ -49,12 +50,12 @@ class StepTimes:
 
 
 def _decodes_only(scheduler_output: SchedulerOutput) -> bool:
-    """Whether a step schedules one token for each of its requests and no new request."""
+    """Whether a step schedules one token for each of its requests and decode steps, and no new request."""
     num_reqs = len(scheduler_output.num_scheduled_tokens)
     return (
         num_reqs > 0
         and not scheduler_output.scheduled_new_reqs
-        and scheduler_output.total_num_scheduled_tokens == num_reqs
+        and scheduler_output.total_num_scheduled_tokens == num_reqs * scheduler_output.num_decode_steps
     )
 
 
@@ -150,10 +151,19 @@ class LLMEngine:
                 seed = None if params.seed is None else params.seed + index
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
-            request = Request(child_id, token_ids, child_params, self.eos_token_id, arrival_time=arrival)
+            request = Request(child_id, token_ids, child_params, self.eos_token_id, arrival_time=arrival,
+                              multi_step_ok=self._runs_to_length(child_params))
             logprobs = [] if params.logprobs is not None else None
             sequences.append(_Sequence(request, self._detokenizer(token_ids, child_params), logprobs=logprobs))
         return sequences
+
+    def _runs_to_length(self, params: SamplingParams) -> bool:
+        """Whether a request can end only at its length limit and samples plainly: several decode
+        steps per round take it. ``params`` carries its stop ids (EOS included unless ignored)."""
+        return (
+            not params.all_stop_token_ids and not params.stop and params.structured_outputs is None
+            and self.runner.samples_plainly(params)
+        )
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -299,7 +309,7 @@ class LLMEngine:
         times.host_s += host
         decodes_only = _decodes_only(scheduler_output)
         if decodes_only and self._last_dispatch_decodes_only:
-            times.decode_steps += 1
+            times.decode_steps += scheduler_output.num_decode_steps
             times.decode_host_s += host
             times.decode_wall_s += wall
         self._last_dispatch_decodes_only = decodes_only

@@ -6,6 +6,8 @@ step (token bucket: input preparation, the model, the gather of the rows to
 sample) and the sampling step (request bucket: logits, sampling, post-update).
 Splitting by axis keeps the number of programs the sum of the ladders, not
 their product. The KV cache and the device state are donated to each program.
+A round of several decode steps (``SchedulerConfig.num_scheduler_steps``) runs
+as one program of its own, keyed by both buckets and the step count.
 
 The runner serves one mesh of ``tensor_parallel_size`` devices (one
 data-parallel replica): every program is lowered with explicit shardings, the
@@ -19,7 +21,7 @@ import functools
 import logging
 import random
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +62,12 @@ from jaxrunner.sample.logprobs import LogprobsTensors
 from jaxrunner.spec_decode.draft_model import DraftModel
 from jaxrunner.spec_decode.eagle import EagleDrafter
 from jaxrunner.step_functions import StepStatics
-from jaxrunner.sample.sampling_state import bitmask_words, check_logprobs_count, pack_sampling_params
+from jaxrunner.sample.sampling_state import (
+    bitmask_words,
+    check_logprobs_count,
+    pack_sampling_params,
+    uses_sampling_stages,
+)
 from jaxrunner.sharding import (
     host_copy,
     kv_cache_sharding,
@@ -76,6 +83,17 @@ logger = logging.getLogger(__name__)
 
 # Blocks of the throw-away KV cache the profile run compiles against.
 _PROFILE_NUM_BLOCKS = 16
+
+
+class _Dispatched(NamedTuple):
+    """A step ``execute_model`` dispatched, for ``sample_tokens`` to finish: the forward's outputs,
+    or the tokens of a round of several decode steps, whose one program sampled them already."""
+
+    batch: InputBatch
+    sample_hidden: jax.Array | None = None
+    rows: SampleRows | None = None
+    hidden: jax.Array | None = None
+    tokens: jax.Array | None = None
 
 
 class ModelRunner:
@@ -116,7 +134,7 @@ class ModelRunner:
         CompileCounter.install()
         self.model: CausalLM | None = None
         self.kv_caches: KVCaches | None = None
-        self.execute_model_state: tuple[InputBatch, jax.Array, SampleRows, jax.Array] | None = None
+        self.execute_model_state: _Dispatched | None = None
         # Requests that asked for prompt logprobs: their prompt and top count.
         self._prompt_logprob_requests: dict[str, tuple[np.ndarray, int]] = {}
         # Seconds the host has spent blocked until sampled tokens arrived.
@@ -249,9 +267,20 @@ class ModelRunner:
         jobs = [(self._forward_programs, b) for b in self.token_buckets]
         jobs += [(self._sample_programs, (b, plain)) for b in self.request_buckets for plain in self._sample_paths]
         jobs += [(self._write_programs, b) for b in self.request_buckets]
+        jobs += [(self._decode_steps_programs, key) for key in self._decode_steps_keys()]
         for programs, bucket in tqdm(jobs, desc="Precompiling buckets", leave=False):
             programs.get(bucket)
         return time.perf_counter() - start
+
+    def _decode_steps_keys(self) -> list[tuple[int, int, int]]:
+        """(token bucket, request bucket, steps) of every round of several decode steps the scheduler can make."""
+        counts = self.config.scheduler_config.decode_step_counts[1:]
+        largest = min(self.max_num_reqs, self.token_buckets[-1])
+        buckets = {
+            (pad_to_bucket(n, self.token_buckets, "tokens"), pad_to_bucket(n, self.request_buckets, "requests"))
+            for n in range(1, largest + 1)
+        }
+        return [(t, r, k) for t, r in sorted(buckets) for k in counts]
 
     @property
     def _sample_paths(self) -> tuple[bool, ...]:
@@ -262,7 +291,8 @@ class ModelRunner:
     def num_compiled_programs(self) -> int:
         """Programs compiled so far over all buckets (flat after ``capture_model``)."""
         return sum(
-            p.num_compiled for p in (self._forward_programs, self._sample_programs, self._write_programs)
+            p.num_compiled
+            for p in (self._forward_programs, self._sample_programs, self._write_programs, self._decode_steps_programs)
         )
 
     # ---------------------------------------------------------------- programs
@@ -289,11 +319,11 @@ class ModelRunner:
             draft_params_treedef=self._draft_params_treedef, drafter=self.drafter, block_size=self.block_size,
             max_num_reqs=self.max_num_reqs, num_spec=self.num_spec, sampler_config=self.config.sampler_config,
         )
-        forward = functools.partial(step_functions.forward, statics)
-        self._forward_fn = forward
+        self._statics = statics
         self._forward_programs = CompiledPrograms(
             "forward", lambda b: self._lower_forward(b, self.num_blocks)
         )
+        self._decode_steps_programs = CompiledPrograms("decode_steps", lambda key: self._lower_decode_steps(*key))
         # Outputs keep the inputs' layout: caches split on KV heads, everything else replicated.
         cache, whole = self.kv_cache_sharding, self.replicated
         sample_jit = jax.jit(
@@ -342,20 +372,39 @@ class ModelRunner:
     def _abstract_draft_kv(self, num_blocks: int) -> KVCaches:
         return [] if self.drafter is None else self.drafter.kv_spec.abstract(num_blocks, self.kv_cache_sharding)
 
+    def _step_inputs(self, shape: StepShape, num_blocks: int) -> tuple:
+        """Abstract arguments every step program starts with: parameters, caches, state, step buffer."""
+        return (
+            self._abstract(self._param_leaves),
+            self._abstract(self._draft_leaves),
+            self.kv_cache_spec.abstract(num_blocks, self.kv_cache_sharding),
+            self._abstract_draft_kv(num_blocks),
+            self._abstract(self.device_state),
+            self._input((shape.buffer_words,), jnp.int32),
+        )
+
     def _lower_forward(self, num_tokens: int, num_blocks: int) -> jax.stages.Lowered:
         shape = self._step_shape(num_tokens)
         cache, whole = self.kv_cache_sharding, self.replicated
         forward_jit = jax.jit(
-            functools.partial(self._forward_fn, shape=shape), donate_argnums=(2, 3, 4),
+            functools.partial(step_functions.forward, self._statics, shape=shape), donate_argnums=(2, 3, 4),
             out_shardings=(cache, cache, whole, whole, whole, whole),
         )
-        return forward_jit.lower(
-            self._abstract(self._param_leaves),
-            self._abstract(self._draft_leaves),
-            self.kv_cache_spec.abstract(num_blocks, cache),
-            self._abstract_draft_kv(num_blocks),
-            self._abstract(self.device_state),
-            self._input((shape.buffer_words,), jnp.int32),
+        return forward_jit.lower(*self._step_inputs(shape, num_blocks))
+
+    def _lower_decode_steps(self, num_tokens: int, num_rows: int, num_steps: int) -> jax.stages.Lowered:
+        shape = self._step_shape(num_tokens)
+        cache, whole = self.kv_cache_sharding, self.replicated
+        steps_jit = jax.jit(
+            functools.partial(
+                step_functions.decode_steps, self._statics, shape=shape, num_rows=num_rows, num_steps=num_steps
+            ),
+            donate_argnums=(2, 3, 4), out_shardings=(cache, cache, whole, whole),
+        )
+        words = bitmask_words(self.vocab_size)
+        return steps_jit.lower(
+            *self._step_inputs(shape, self.num_blocks),
+            self._input((num_rows, words), jnp.int32), self._input((num_rows,), jnp.bool_),
         )
 
     # ------------------------------------------------------------ request state
@@ -403,7 +452,7 @@ class ModelRunner:
     # ------------------------------------------------------------------- steps
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[InputBatch, np.ndarray]:
-        """Order the batch (decodes first), pick buckets and pack the step buffer."""
+        """Order the batch (decodes first), pick buckets and pack the step buffer (of one step of a round)."""
         scheduled = scheduler_output.num_scheduled_tokens
         req_ids = sorted(scheduled, key=scheduled.__getitem__)
         num_scheduled = np.array([scheduled[r] for r in req_ids], np.int32)
@@ -412,16 +461,20 @@ class ModelRunner:
         if None in slots:
             raise _not_on_runner(req_ids[slots.index(None)])
         idx_mapping = np.array(slots, np.int32)
-        num_tokens = int(num_scheduled.sum())
-        if num_tokens != scheduler_output.total_num_scheduled_tokens:
+        if int(num_scheduled.sum()) != scheduler_output.total_num_scheduled_tokens:
             raise ValueError(
                 f"total_num_scheduled_tokens ({scheduler_output.total_num_scheduled_tokens}) differs "
-                f"from the sum of num_scheduled_tokens ({num_tokens})."
+                f"from the sum of num_scheduled_tokens ({int(num_scheduled.sum())})."
             )
         if np.any(num_scheduled < 1):
             raise ValueError("Every request in num_scheduled_tokens must be scheduled at least one token.")
         computed = self.req_states.num_computed_tokens[idx_mapping]
         seq_lens = computed + num_scheduled
+        steps = scheduler_output.num_decode_steps
+        if steps > 1:
+            self._check_decode_round(req_ids, num_scheduled, computed, idx_mapping, scheduler_output)
+            num_scheduled = np.ones_like(num_scheduled)  # one token a step
+        num_tokens = int(num_scheduled.sum())
         if np.any(seq_lens > self.max_model_len):
             bad = req_ids[int(np.argmax(seq_lens > self.max_model_len))]
             raise ValueError(
@@ -449,8 +502,28 @@ class ModelRunner:
             num_reqs_after_padding=request_bucket,
             is_sampling_np=is_sampling,
             num_drafts=np.array([len(d) for d in drafts], np.int32),
+            num_steps=steps,
         )
         return batch, buffer
+
+    def _check_decode_round(
+        self, req_ids: list[str], num_scheduled: np.ndarray, computed: np.ndarray, idx_mapping: np.ndarray,
+        scheduler_output: SchedulerOutput,
+    ) -> None:
+        """Raise ValueError unless a round of several decode steps gives each request one token a
+        step, no drafts, and a first step that samples (its prompt is in, but for one token at most)."""
+        steps = scheduler_output.num_decode_steps
+        if scheduler_output.scheduled_spec_decode_tokens or np.any(num_scheduled != steps):
+            raise ValueError(
+                f"A round of {steps} decode steps schedules exactly {steps} tokens (one a step) for each "
+                "request, and no draft tokens."
+            )
+        prefilling = computed + 1 < self.req_states.prefill_len[idx_mapping]
+        if np.any(prefilling):
+            raise ValueError(
+                f"Request {req_ids[int(np.argmax(prefilling))]!r} is still prefilling; a round of several "
+                "decode steps takes only requests whose first step samples."
+            )
 
     def _call(self, program: jax.stages.Compiled, *args):
         """Call a compiled program, adding how long the call holds this thread to ``program_call_s``."""
@@ -470,13 +543,34 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.make_empty()
         batch, buffer = self.prepare_inputs(scheduler_output)
+        if batch.num_steps > 1:
+            self.execute_model_state = self._run_decode_steps(batch, buffer)
+            return None
         program = self._forward_programs.get(batch.num_tokens_after_padding)
         self.kv_caches, self.draft_kv_caches, self.device_state, sample_hidden, rows, hidden = self._call(
             program, self._param_leaves, self._draft_leaves, self.kv_caches, self.draft_kv_caches, self.device_state,
             buffer,
         )
-        self.execute_model_state = (batch, sample_hidden, rows, hidden)
+        self.execute_model_state = _Dispatched(batch, sample_hidden, rows, hidden)
         return None
+
+    def _run_decode_steps(self, batch: InputBatch, buffer: np.ndarray) -> _Dispatched:
+        """Dispatch a round of several decode steps: forward and plain sampling, in one program."""
+        plain = self.req_states.plain_sampling[batch.idx_mapping_np] & (
+            self.req_states.num_logprobs[batch.idx_mapping_np] == 0
+        )
+        if not plain.all():
+            raise ValueError(
+                f"Request {batch.req_ids[int(np.argmin(plain))]!r} uses a sampling stage before the draw or "
+                "logprobs; a round of several decode steps takes only plainly sampled requests."
+            )
+        bucket = batch.num_reqs_after_padding
+        program = self._decode_steps_programs.get((batch.num_tokens_after_padding, bucket, batch.num_steps))
+        self.kv_caches, self.draft_kv_caches, self.device_state, tokens = self._call(
+            program, self._param_leaves, self._draft_leaves, self.kv_caches, self.draft_kv_caches, self.device_state,
+            buffer, *self._no_grammar[bucket],
+        )
+        return _Dispatched(batch, tokens=tokens)
 
     @property
     def use_async_scheduling(self) -> bool:
@@ -500,8 +594,13 @@ class ModelRunner:
         """
         if self.execute_model_state is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model().")
-        batch, sample_hidden, rows, hidden = self.execute_model_state
-        self.execute_model_state = None
+        dispatched, self.execute_model_state = self.execute_model_state, None
+        batch = dispatched.batch
+        if dispatched.tokens is not None:  # a round of decode steps, sampled in its own program
+            if _uses_grammar(grammar_output):
+                raise ValueError("A round of several decode steps cannot take a grammar's bitmask.")
+            return self._finish(_PendingOutput(self, batch, dispatched.tokens, None, {}))
+        _, sample_hidden, rows, hidden, _ = dispatched
         bucket = batch.num_reqs_after_padding
         bitmask, active = self._grammar_rows(batch, grammar_output)
         wants_logprobs = bool(np.any((self.req_states.num_logprobs[batch.idx_mapping_np] > 0) & batch.is_sampling_np))
@@ -514,19 +613,22 @@ class ModelRunner:
             program, self._param_leaves, self._draft_leaves, self.draft_kv_caches, sample_hidden, rows, self.device_state,
             bitmask, active,
         )
-        pending = _PendingOutput(
+        return self._finish(_PendingOutput(
             self, batch, tokens, logprobs if wants_logprobs else None, self._prompt_logprobs_of(batch, hidden)
-        )
+        ))
+
+    def _finish(self, pending: _PendingOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """The step's output: pending under async scheduling, else waited for."""
         if self.use_async_scheduling:
-            self._advance_computed(batch, None)
+            self._advance_computed(pending.batch, None)
             return pending
         output = pending.get_output()
-        self._advance_computed(batch, output.sampled_token_ids)
+        self._advance_computed(pending.batch, output.sampled_token_ids)
         return output
 
     def _advance_computed(self, batch: InputBatch, sampled: list[list[int]] | None) -> None:
         """The host's num_computed_tokens: the scheduled tokens, less the rejected drafts."""
-        advance = batch.num_scheduled_tokens
+        advance = batch.num_scheduled_tokens * batch.num_steps
         if sampled is not None and batch.num_drafts.any():
             rejected = [d - (len(t) - 1) if t else 0 for d, t in zip(batch.num_drafts, sampled)]
             advance = advance - np.asarray(rejected, np.int32)
@@ -577,6 +679,12 @@ class ModelRunner:
             rows = slice(start, start + end - first)
             result[req_id] = (first + 1, LogprobsLists(ids[rows, : k + 1], lps[rows, : k + 1], ranks[rows]))
         return result
+
+    def samples_plainly(self, params: SamplingParams) -> bool:
+        """Whether requests with these parameters take the plain sampling program (no stage before
+        the draw, no logprobs), as a round of several decode steps needs."""
+        fields = pack_sampling_params(params, random.Random(0), self.config.sampler_config, self.vocab_size)
+        return fields["num_logprobs"] == 0 and not uses_sampling_stages(fields)
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         """Raise ValueError if the runner cannot hold these parameters (capacities, token ids)."""

@@ -52,6 +52,9 @@ class Request:
     num_output_placeholders: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
+    # The request ends only at its length limit (no EOS, stop token, stop string or grammar) and
+    # samples by the runner's plain program: it may run several decode steps per round.
+    multi_step_ok: bool = False
 
     def __post_init__(self) -> None:
         # Prompt then outputs, kept as one list: the block hashes read it every step.

@@ -130,6 +130,7 @@ class Scheduler:
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preempted: set[str] = set()
+        steps = self._decode_steps()
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -143,6 +144,8 @@ class Scheduler:
                 break
             drafts = request.spec_token_ids[: max(num_new - remaining, 0)]
             lookahead = self._lookahead(request, num_new)
+            budget -= num_new  # per step: a round of several steps schedules one token a step
+            num_new *= steps
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request.request_id, request.all_token_ids, num_new + lookahead, request.num_computed_tokens
@@ -162,7 +165,6 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             if drafts:
                 spec_tokens[request.request_id] = drafts
-            budget -= num_new
             index += 1
 
         # Waiting requests only when nothing was preempted this step (as vLLM).
@@ -204,7 +206,7 @@ class Scheduler:
             request = self.requests[req_id]
             request.num_computed_tokens += n
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1  # this step samples its next token
+                request.num_output_placeholders += steps  # the round samples its next token(s)
         self.num_scheduled_tokens_total += sum(num_scheduled.values())
         self.max_num_scheduled_reqs = max(self.max_num_scheduled_reqs, len(num_scheduled))
         finished, self._finished_req_ids = self._finished_req_ids, set()
@@ -216,7 +218,34 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
+            num_decode_steps=steps,
         )
+
+    def _decode_steps(self) -> int:
+        """Decode steps this round may run back to back (multi-step scheduling); 1 for a single step.
+
+        Several only when every running request is a decode that can end only at its
+        length limit, no waiting request could be admitted, and the free blocks hold
+        every request's next tokens; then the largest allowed count that takes no
+        request past its length limit, so none finishes before the round's last step.
+        """
+        counts = self.config.decode_step_counts
+        if len(counts) == 1 or not self.running:
+            return 1
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return 1
+        most = counts[-1]
+        for request in self.running:
+            pending = request.num_output_placeholders
+            if not request.multi_step_ok or request.num_tokens + pending - request.num_computed_tokens != 1:
+                return 1
+            most = min(most, self._tokens_left(request))
+        steps = max(c for c in counts if c <= max(most, 1))
+        manager = self.kv_cache_manager
+        needed = sum(
+            manager.num_blocks_to_grow(r.request_id, r.num_computed_tokens + steps) for r in self.running
+        )
+        return steps if manager.can_fit(needed) else 1
 
     def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
         """Lookahead slots only once the prefill completes, so no partial block is hashed early."""
@@ -226,11 +255,16 @@ class Scheduler:
 
     def _at_length_limit(self, request: Request) -> bool:
         """Whether the tokens being sampled already take the request to max_tokens or max_model_len."""
+        return self._tokens_left(request) <= 0
+
+    def _tokens_left(self, request: Request) -> int:
+        """Tokens the request may still sample beyond those being sampled, by max_tokens and max_model_len."""
         pending = request.num_output_placeholders
+        left = self.max_model_len - request.num_tokens - pending
         max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens:
-            return True
-        return request.num_tokens + pending >= self.max_model_len
+        if max_tokens is not None:
+            left = min(left, max_tokens - len(request.output_token_ids) - pending)
+        return left
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and queue it first; a token it is still sampling is kept
@@ -260,7 +294,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or not sampled:
                 continue
-            request.num_output_placeholders -= 1
+            request.num_output_placeholders -= scheduler_output.num_decode_steps
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
             request.spec_token_ids = []
             if drafts:

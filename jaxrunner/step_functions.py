@@ -112,6 +112,31 @@ def sample_step(
     return draft_kv, state, tokens, None
 
 
+def decode_steps(
+    statics: StepStatics, params, draft_params, kv_caches, draft_kv, state, step_buffer, grammar_bitmask,
+    grammar_active, *, shape: StepShape, num_rows: int, num_steps: int,
+):
+    """``num_steps`` decode steps back to back (multi-step scheduling): each a forward step and
+    the plain sampling step, each step's sampled tokens the next one's inputs, all on the device.
+
+    Returns the caches, the state and the tokens ``[num_rows, num_steps]``. The steps are
+    unrolled, not a device loop: XLA reads a while loop's condition back on the host at
+    every iteration (see ``prepare_inputs``), which would hold the calling thread until
+    the last step and leave no host work to overlap.
+    """
+    tokens = []
+    for _ in range(num_steps):
+        kv_caches, draft_kv, state, sample_hidden, rows, _ = forward(
+            statics, params, draft_params, kv_caches, draft_kv, state, step_buffer, shape=shape
+        )
+        draft_kv, state, step_tokens, _ = sample_step(
+            statics, params, draft_params, draft_kv, sample_hidden, rows, state, grammar_bitmask, grammar_active,
+            num_rows=num_rows, plain=True,
+        )
+        tokens.append(step_tokens)
+    return kv_caches, draft_kv, state, jnp.concatenate(tokens, axis=1)
+
+
 def _propose_on_device(statics: StepStatics, model, draft_params, draft_kv, state, head: SampleRows, features):
     """Next step's drafts from each sampling row's new last token, left on the device."""
     idx = head.idx_mapping

@@ -118,6 +118,40 @@ def test_async_scheduling_overlaps_steps_and_changes_no_output(make_llm, monkeyp
     assert [len(c.token_ids) for c in got] == [p.max_tokens for p in sampled]
 
 
+def test_multi_step_rounds_change_no_output(make_llm, monkeypatch):
+    """Several decode steps per round (``num_scheduler_steps``) give the tokens of one step at a time:
+    seeded sampling, lengths that end mid-round, requests waiting for a slot, preemption; and a
+    request that can stop early (a stop token id) or samples with a stage before the draw keeps
+    the whole batch to single steps while it runs."""
+    prompts = PROMPTS[:10]
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=5 + 3 * i, ignore_eos=True) for i in range(10)]
+    mixed = [dataclasses.replace(sampled[0], stop_token_ids=[0]), dataclasses.replace(sampled[1], top_k=5),
+             *sampled[2:]]
+    single = make_llm(num_gpu_blocks_override=24)
+    expected = [greedy_tokens(single, prompts, params) for params in (sampled, mixed)]
+
+    for blocks in (200, 24):  # 24: too few blocks for all ten, so requests get preempted
+        multi = make_llm(num_scheduler_steps=4, num_gpu_blocks_override=blocks)
+        engine = multi.llm_engine
+        rounds = []  # per dispatched round: its steps, and whether all its requests may take several
+        execute = engine.runner.execute_model
+
+        def record(so):
+            if so.total_num_scheduled_tokens:
+                eligible = all(engine.scheduler.requests[r].multi_step_ok for r in so.num_scheduled_tokens)
+                rounds.append((so.num_decode_steps, eligible))
+            return execute(so)
+
+        monkeypatch.setattr(engine.runner, "execute_model", record)
+        assert greedy_tokens(multi, prompts, sampled) == expected[0]
+        assert {2, 4} <= {steps for steps, _ in rounds}, rounds
+        rounds.clear()
+        assert greedy_tokens(multi, prompts, mixed) == expected[1]
+        assert max(rounds)[0] > 1 and all(eligible for steps, eligible in rounds if steps > 1)
+        assert not all(eligible for _, eligible in rounds)
+    assert multi.llm_engine.scheduler.num_preemptions > 0
+
+
 def test_a_request_id_reused_after_a_stop_gets_none_of_the_old_tokens(make_llm):
     """A request stopped by a token id while its next step was in flight: the engine settles that
     step before it goes idle, so a later request with the same id starts clean."""

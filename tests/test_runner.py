@@ -155,6 +155,28 @@ def test_unknown_request_is_rejected(cache_dir):
         runner.execute_model(so)
 
 
+def test_a_round_of_decode_steps_refuses_what_it_cannot_run(cache_dir):
+    """Several decode steps in one program take one token a step of plainly sampled, prefilled requests."""
+    runner = make_runner(_tiny_model(), max_num_seqs=4, max_num_batched_tokens=32, cache_dir=cache_dir,
+                         **SMALL_LADDERS)
+    top_p = SamplingParams(temperature=1.0, top_p=0.5)
+    new = [_new_request("plain", [5, 6, 7], [1]), _new_request("top_p", [5, 6, 8], [2], top_p),
+           _new_request("long", list(range(9)), [3])]
+    runner.execute_model(_schedule(new, {"plain": 3, "top_p": 3, "long": 4}))
+    runner.sample_tokens()
+
+    def round_of(tokens: dict[str, int], steps: int = 2) -> SchedulerOutput:
+        cached = CachedRequestData(list(tokens), [0] * len(tokens), [None] * len(tokens))
+        return SchedulerOutput([], cached, tokens, sum(tokens.values()), num_decode_steps=steps)
+
+    with pytest.raises(ValueError, match="exactly 2 tokens"):
+        runner.execute_model(round_of({"plain": 3}))
+    with pytest.raises(ValueError, match="'long' is still prefilling"):
+        runner.execute_model(round_of({"long": 2}))
+    with pytest.raises(ValueError, match="'top_p' uses a sampling stage"):
+        runner.execute_model(round_of({"plain": 2, "top_p": 2}))
+
+
 @pytest.mark.parametrize(
     "field, value",
     [("temperature", -0.5), ("top_p", 0.0), ("top_k", -3), ("min_p", 1.5), ("n", 0),
