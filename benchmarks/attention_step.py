@@ -246,7 +246,11 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
                                                                accumulate_in_place=True),
             "pingpong+registers+in_place+stages+1": dataclasses.replace(
                 base, pingpong=True, compute_registers=registers, accumulate_in_place=True,
-                num_stages=base.num_stages + 1)}
+                num_stages=base.num_stages + 1),
+            "longest_first": dataclasses.replace(base, longest_first=not base.longest_first),
+            "pingpong+registers+in_place+longest_first": dataclasses.replace(
+                base, pingpong=True, compute_registers=registers, accumulate_in_place=True,
+                longest_first=not base.longest_first)}
            if base.num_compute_wgs == 2 else {}),
         # Decode: every split count from one program per tile to 16, to see where wave quantization bites.
         **{f"splits={n}": dataclasses.replace(base, num_kv_splits=n)

@@ -86,6 +86,10 @@ class KernelConfig:
     softmax while the other's matmuls run. Not in the interpreter tests: one CI run
     of it under the Mosaic GPU interpreter hung (passes elsewhere; the sweep checks
     it against the reference on the GPU)."""
+    longest_first: bool = False
+    """Launch the tiles last to first, every kv head's before the next tile: a request's
+    later tiles see more keys (causal), so the last wave holds the shortest programs
+    instead of the longest."""
 
     def __post_init__(self):
         if self.pingpong and self.num_compute_wgs != 2:
@@ -185,6 +189,8 @@ def _kernel_body(
 
     split = lax.axis_index("split")
     tile = lax.axis_index("tile")
+    if config.longest_first:
+        tile = sched_ref.shape[0] - 1 - tile
     kv_head = lax.axis_index("kv_head")
     req = sched_ref[tile, REQ]
     num_rows = sched_ref[tile, NUM_ROWS]
@@ -588,11 +594,14 @@ def launch_kernel(
     def entry(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref=None):
         body(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref)
 
+    # The first grid axis varies fastest in launch order.
+    axes = {"split": splits, "tile": num_tiles, "kv_head": num_kv_heads}
+    order = ("split", "kv_head", "tile") if config.longest_first else ("split", "tile", "kv_head")
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(splits, num_tiles, num_kv_heads),
-        grid_names=("split", "tile", "kv_head"),
+        grid=tuple(axes[name] for name in order),
+        grid_names=order,
         num_threads=config.num_compute_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
