@@ -410,6 +410,10 @@ def _smem_transforms(dtype) -> tuple:
 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SHARED_MEMORY_BYTES = 224 * 1024
+"""Shared memory a program may take on Hopper (227 KiB), less a margin for barriers and scratch."""
+PREFILL_COMPUTE_REGISTERS = 232
+"""Registers per thread for each of two compute warpgroups (the copy warpgroup keeps 40)."""
 MIN_STAGES_PER_SPLIT = 2
 """Splitting shorter than this costs more in per-program setup and combining than it gains
 (at decode 1 x 1k, splits of two stages beat splits of one in device time)."""
@@ -469,25 +473,35 @@ def choose_config(
 
     Decode-like batches (at most 64 query rows per request) use one compute
     warpgroup, 64-key stages in a ring of about 96 KiB (two programs can share an
-    SM) and in-place ``P V`` accumulation; prefills use two compute warpgroups and
-    128-key stages in about 128 KiB. KV splits by :func:`choose_splits`, over the stages
-    of the longest possible request (the block table's width). In place: 1.17x and
-    1.20x faster at decode 1 x 1k and 16 x 1k in the H200 sweep (``attention_step.py --sweep``).
+    SM) and in-place ``P V`` accumulation; KV splits by :func:`choose_splits`, over the
+    stages of the longest possible request (the block table's width). In place: 1.17x
+    and 1.20x faster at decode 1 x 1k and 16 x 1k in the H200 sweep (``attention_step.py --sweep``).
+
+    Prefills use two compute warpgroups in ping-pong with the register split and
+    in-place accumulation, tiles launched longest first, and 128-key stages in as many
+    as three ring stages as shared memory holds beside the queries: on the H100 at
+    1 x 8k each switch was faster in the sweep (ping-pong with registers and in place
+    1.05x, longest first 1.06x, both 1.15x; a third stage 1.02x more).
     """
     decode_like = num_tokens * group <= num_reqs * ROWS_PER_WG
     n_wg = 1 if decode_like else 2
-    ring_bytes = (96 if decode_like else 128) * 1024
     key_bytes = 2 * head_dim * itemsize  # one key's K and V
+    query_bytes = n_wg * ROWS_PER_WG * head_dim * itemsize
+    ring_bytes = 96 * 1024 if decode_like else min(192 * 1024, SHARED_MEMORY_BYTES - query_bytes)
     # Keys per stage: a multiple of 64 (the K of one 128-byte-swizzled bf16 wgmma), two stages in the ring.
     stage_keys = max(min(64 if decode_like else 128, ring_bytes // (2 * key_bytes)) // 64 * 64, 64)
     pages = max(stage_keys // block_size, 1)  # pages larger than a stage make a stage of one page
-    stages = max(2, min(4, ring_bytes // (pages * block_size * key_bytes)))
+    stages = max(2, min(4 if decode_like else 3, ring_bytes // (pages * block_size * key_bytes)))
     tiles = num_tiles_bound(num_tokens, num_reqs, group, ROWS_PER_WG * n_wg)
-    # A decode-like batch has work in about one tile per request; the rest of the bound is padding.
-    busy_tiles = min(tiles, num_reqs) if decode_like else tiles
-    splits = choose_splits(busy_tiles * num_kv_heads, -(-max_blocks_per_req // pages), num_sms)
-    return KernelConfig(pages_per_stage=pages, num_stages=stages, num_compute_wgs=n_wg, num_kv_splits=splits,
-                        accumulate_in_place=decode_like)
+    if decode_like:
+        # Work in about one tile per request; the rest of the bound is padding.
+        splits = choose_splits(min(tiles, num_reqs) * num_kv_heads, -(-max_blocks_per_req // pages), num_sms)
+        return KernelConfig(pages_per_stage=pages, num_stages=stages, num_compute_wgs=1, num_kv_splits=splits,
+                            accumulate_in_place=True)
+    splits = choose_splits(tiles * num_kv_heads, -(-max_blocks_per_req // pages), num_sms)
+    return KernelConfig(pages_per_stage=pages, num_stages=stages, num_compute_wgs=2, num_kv_splits=splits,
+                        compute_registers=PREFILL_COMPUTE_REGISTERS, accumulate_in_place=True, pingpong=True,
+                        longest_first=True)
 
 
 def config_for(
