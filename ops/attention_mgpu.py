@@ -410,8 +410,9 @@ def _smem_transforms(dtype) -> tuple:
 
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SHARED_MEMORY_BYTES = 224 * 1024
-"""Shared memory a program may take on Hopper (227 KiB), less a margin for barriers and scratch."""
+SHARED_MEMORY_BYTES = (227 - 3) * 1024
+"""Shared memory for a program's queries, ring and log-sum-exps: Hopper's 227 KiB a block, less
+3 KiB for barriers and scratch (a prefill program of three 64 KiB stages took 2.7 KiB more)."""
 PREFILL_COMPUTE_REGISTERS = 232
 """Registers per thread for each of two compute warpgroups (the copy warpgroup keeps 40)."""
 MIN_STAGES_PER_SPLIT = 2
@@ -487,18 +488,21 @@ def choose_config(
     n_wg = 1 if decode_like else 2
     key_bytes = 2 * head_dim * itemsize  # one key's K and V
     query_bytes = n_wg * ROWS_PER_WG * head_dim * itemsize
-    ring_bytes = 96 * 1024 if decode_like else min(192 * 1024, SHARED_MEMORY_BYTES - query_bytes)
+    ring_bytes = 96 * 1024 if decode_like else SHARED_MEMORY_BYTES - query_bytes
     # Keys per stage: a multiple of 64 (the K of one 128-byte-swizzled bf16 wgmma), two stages in the ring.
     stage_keys = max(min(64 if decode_like else 128, ring_bytes // (2 * key_bytes)) // 64 * 64, 64)
     pages = max(stage_keys // block_size, 1)  # pages larger than a stage make a stage of one page
-    stages = max(2, min(4 if decode_like else 3, ring_bytes // (pages * block_size * key_bytes)))
+    stage_bytes = pages * block_size * key_bytes
     tiles = num_tiles_bound(num_tokens, num_reqs, group, ROWS_PER_WG * n_wg)
     if decode_like:
         # Work in about one tile per request; the rest of the bound is padding.
         splits = choose_splits(min(tiles, num_reqs) * num_kv_heads, -(-max_blocks_per_req // pages), num_sms)
-        return KernelConfig(pages_per_stage=pages, num_stages=stages, num_compute_wgs=1, num_kv_splits=splits,
-                            accumulate_in_place=True)
+        return KernelConfig(pages_per_stage=pages, num_stages=max(2, min(4, ring_bytes // stage_bytes)),
+                            num_compute_wgs=1, num_kv_splits=splits, accumulate_in_place=True)
     splits = choose_splits(tiles * num_kv_heads, -(-max_blocks_per_req // pages), num_sms)
+    if splits > 1:
+        ring_bytes -= n_wg * ROWS_PER_WG * 4  # the partial outputs' log-sum-exps
+    stages = max(2, min(3, ring_bytes // stage_bytes))
     return KernelConfig(pages_per_stage=pages, num_stages=stages, num_compute_wgs=2, num_kv_splits=splits,
                         compute_registers=PREFILL_COMPUTE_REGISTERS, accumulate_in_place=True, pingpong=True,
                         longest_first=True)
