@@ -13,6 +13,8 @@ kernels), and the kernels that take the most of it. With ``--trace`` (GPU
 only), a ``jax.profiler`` trace of a further run at each case gives the
 device's whole timeline (``device_timeline.py``): copies and memsets too, and
 the idle time split into its gaps, the longest named by their neighbours.
+With ``--scheduler-steps K`` each dispatch is a round of K decode steps in one
+program (multi-step scheduling), and every time is per decode step.
 
     python benchmarks/decode_step.py --out results.json
 """
@@ -119,13 +121,18 @@ def fill_random(kv_caches):
     return out
 
 
+def steps_per_round(runner: ModelRunner) -> int:
+    """Decode steps each dispatch runs: the runner's ``num_scheduler_steps``."""
+    return runner.config.scheduler_config.num_scheduler_steps
+
+
 def add_decoding_requests(runner: ModelRunner, batch: int, context: int, steps: int, rng, tag: str):
-    """Give the runner ``batch`` requests at ``context`` tokens, with blocks for ``steps`` more, and
-    dispatch their first step; returns their ids and that step's pending output.
+    """Give the runner ``batch`` requests at ``context`` tokens, with blocks for ``steps`` more rounds,
+    and dispatch their first step; returns their ids and that step's pending output.
 
     As after a prefix-cache hit, all but the last prompt token are in the cache.
     """
-    blocks_per_req = -(-(context + steps + 1) // runner.block_size)
+    blocks_per_req = -(-(context + steps * steps_per_round(runner) + 1) // runner.block_size)
     pool = rng.permutation(runner.num_blocks)
     ids = [f"{tag}b{batch}c{context}r{i}" for i in range(batch)]
     new_reqs = [
@@ -137,10 +144,12 @@ def add_decoding_requests(runner: ModelRunner, batch: int, context: int, steps: 
     return ids, runner.sample_tokens(None)
 
 
-def decode_step_output(ids: list[str], context: int, step: int) -> SchedulerOutput:
-    """The scheduler's output for decode step ``step`` after the first: one token for every request."""
-    cached = CachedRequestData(ids, [context + step] * len(ids), [None] * len(ids))
-    return SchedulerOutput([], cached, {r: 1 for r in ids}, len(ids))
+def decode_step_output(ids: list[str], context: int, step: int, round_steps: int = 1) -> SchedulerOutput:
+    """The scheduler's output for decode round ``step`` after the first step: ``round_steps`` steps of
+    one token for every request."""
+    cached = CachedRequestData(ids, [context + step * round_steps] * len(ids), [None] * len(ids))
+    return SchedulerOutput([], cached, {r: round_steps for r in ids}, len(ids) * round_steps,
+                           num_decode_steps=round_steps)
 
 
 def finish_decoding_requests(runner: ModelRunner, ids: list[str]) -> None:
@@ -149,13 +158,14 @@ def finish_decoding_requests(runner: ModelRunner, ids: list[str]) -> None:
 
 
 def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, pipelined: bool) -> list[float]:
-    """Seconds per decode step for ``batch`` requests at ``context`` tokens each.
+    """Seconds per decode step for ``batch`` requests at ``context`` tokens each, over ``steps`` rounds.
 
-    One step at a time (``pipelined`` False): dispatch, then wait for the tokens on
-    the host. Pipelined, as the engine runs with async scheduling: step k+1 is
-    dispatched before step k's tokens are read, and a step's time is the interval
-    between consecutive outputs.
+    One round at a time (``pipelined`` False): dispatch, then wait for the tokens on
+    the host. Pipelined, as the engine runs with async scheduling: round k+1 is
+    dispatched before round k's tokens are read, and a round's time is the interval
+    between consecutive outputs, over its steps.
     """
+    round_steps = steps_per_round(runner)
     ids, in_flight = add_decoding_requests(runner, batch, context, steps, rng, f"p{int(pipelined)}")
     times = []
     last = time.perf_counter()
@@ -163,13 +173,13 @@ def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, 
         if not pipelined:
             in_flight.get_output()
         if step < steps:
-            runner.execute_model(decode_step_output(ids, context, step))
+            runner.execute_model(decode_step_output(ids, context, step, round_steps))
             dispatched = runner.sample_tokens(None)
         if pipelined:
             in_flight.get_output()
         now = time.perf_counter()
         if step:
-            times.append(now - last)
+            times.append((now - last) / round_steps)
         last, in_flight = now, dispatched
     finish_decoding_requests(runner, ids)
     return times
@@ -200,7 +210,7 @@ def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rn
     by_name: dict[str, list[float]] = {}
     for name, ms in timings:
         by_name.setdefault(name, []).append(ms)
-    executed = steps + 1
+    executed = steps * steps_per_round(runner) + 1
     ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
     return dict(kernels_per_step=len(timings) / executed,
                 kernel_ms_per_step=sum(ms for _, ms in timings) / executed,
@@ -221,18 +231,21 @@ def traced_timeline(runner: ModelRunner, batch: int, context: int, steps: int, r
     device, host = device_events(profile), host_events(profile)
     if keep is not None:
         save_events(keep, device, host)
-    return summarize(device, steps + 1, host=host)
+    return summarize(device, steps * steps_per_round(runner) + 1, host=host)
 
 
-def build_runner(model: TransformerConfig, batches: list[int], max_context: int, steps: int) -> ModelRunner:
-    """A runner on a random-weight ``model``, buckets exactly ``batches``, a random KV cache."""
+def build_runner(
+    model: TransformerConfig, batches: list[int], max_context: int, steps: int, scheduler_steps: int = 1
+) -> ModelRunner:
+    """A runner on a random-weight ``model``, buckets exactly ``batches``, a random KV cache,
+    ``scheduler_steps`` decode steps per round."""
     max_batch = max(batches)
-    max_model_len = max_context + steps + 16
+    max_model_len = max_context + steps * scheduler_steps + 16
     config = RunnerConfig(
         model_config=ModelConfig(dtype="bfloat16", max_model_len=max_model_len),
         cache_config=CacheConfig(num_gpu_blocks_override=max_batch * (-(-max_model_len // 16)) + 16),
         scheduler_config=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_batch,
-                                         async_scheduling=True),
+                                         async_scheduling=True, num_scheduler_steps=scheduler_steps),
         compilation_config=CompilationConfig(token_buckets=sorted(set(batches)),
                                              request_buckets=sorted(set(batches))),
     )
@@ -250,6 +263,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--floor-elements", type=int, default=1 << 30, help="bf16 elements of the copy test (2 GiB)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--scheduler-steps", type=int, default=1,
+                        help="decode steps per dispatch, in one program (multi-step scheduling)")
     parser.add_argument("--out", default="decode_step.json")
     parser.add_argument("--profile", action="store_true", help="also record each case's kernels with CUPTI (GPU)")
     parser.add_argument("--trace", action="store_true", help="also trace each case's device timeline (GPU)")
@@ -266,7 +281,7 @@ def main() -> None:
     device = jax.devices()[0]
     floors = measure_floors(args.floor_elements)
     start = time.perf_counter()
-    runner = build_runner(SHAPES[args.shape], args.batches, max(args.contexts), args.steps)
+    runner = build_runner(SHAPES[args.shape], args.batches, max(args.contexts), args.steps, args.scheduler_steps)
     load_s = time.perf_counter() - start
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
     compile_s = runner.capture_model()
@@ -287,6 +302,7 @@ def main() -> None:
                 keep = Path(args.keep_events) / f"events_b{batch}_c{context}.json.gz" if args.keep_events else None
                 rows[-1]["timeline"] = traced_timeline(runner, batch, context, args.steps, rng, keep)
     result = dict(device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                  scheduler_steps=args.scheduler_steps,
                   weight_gb=weight_bytes / 1e9, load_s=load_s, precompile_s=compile_s,
                   programs=runner.num_compiled_programs, **floors, rows=rows)
     with open(args.out, "w") as f:
