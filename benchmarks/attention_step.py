@@ -227,34 +227,25 @@ def run_case(kind, batch, context, floors) -> dict:
 
 
 def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
-    """The table's choice and its neighbours: register split, in-place accumulation, warpgroup
-    ping-pong, ring sizes, and (decode) split counts."""
-    registers = 232 if base.num_compute_wgs == 2 else 216  # what one (two) programs per SM can give
+    """The table's choice and its neighbours: each switch flipped (register split, in-place
+    accumulation, and with two compute warpgroups ping-pong and longest first), ring sizes, and
+    (decode) split counts."""
+    registers = (232 if base.num_compute_wgs == 2 else 216) if base.compute_registers is None else None
+    flip = lambda **fields: dataclasses.replace(base, **fields)  # noqa: E731
     options = {
         "table": base,
-        "registers": dataclasses.replace(base, compute_registers=registers),
-        "in_place_flipped": dataclasses.replace(base, accumulate_in_place=not base.accumulate_in_place),
-        "registers+in_place": dataclasses.replace(base, compute_registers=registers, accumulate_in_place=True),
-        "stages-1": dataclasses.replace(base, num_stages=max(base.num_stages - 1, 2)),
-        "stages+1": dataclasses.replace(base, num_stages=base.num_stages + 1),
-        "pages*2": dataclasses.replace(base, pages_per_stage=base.pages_per_stage * 2, num_stages=2),
-        # Prefill: ping-pong with the register split and in-place accumulation (attention_mgpu's recipe),
-        # and with a third ring stage.
-        **({"pingpong": dataclasses.replace(base, pingpong=True),
-            "pingpong+registers": dataclasses.replace(base, pingpong=True, compute_registers=registers),
-            "pingpong+registers+in_place": dataclasses.replace(base, pingpong=True, compute_registers=registers,
-                                                               accumulate_in_place=True),
-            "pingpong+registers+in_place+stages+1": dataclasses.replace(
-                base, pingpong=True, compute_registers=registers, accumulate_in_place=True,
-                num_stages=base.num_stages + 1),
-            "longest_first": dataclasses.replace(base, longest_first=not base.longest_first),
-            "pingpong+registers+in_place+longest_first": dataclasses.replace(
-                base, pingpong=True, compute_registers=registers, accumulate_in_place=True,
-                longest_first=not base.longest_first)}
+        "registers_flipped": flip(compute_registers=registers),
+        "in_place_flipped": flip(accumulate_in_place=not base.accumulate_in_place),
+        "stages-1": flip(num_stages=max(base.num_stages - 1, 2)),
+        "stages+1": flip(num_stages=base.num_stages + 1),
+        "pages*2": flip(pages_per_stage=base.pages_per_stage * 2, num_stages=2),
+        **({"pingpong_flipped": flip(pingpong=not base.pingpong),
+            "longest_first_flipped": flip(longest_first=not base.longest_first),
+            "pingpong_and_longest_first_flipped": flip(pingpong=not base.pingpong,
+                                                       longest_first=not base.longest_first)}
            if base.num_compute_wgs == 2 else {}),
         # Decode: every split count from one program per tile to 16, to see where wave quantization bites.
-        **{f"splits={n}": dataclasses.replace(base, num_kv_splits=n)
-           for n in (1, 2, 3, 4, 6, 8, 16) if base.num_compute_wgs == 1},
+        **{f"splits={n}": flip(num_kv_splits=n) for n in (1, 2, 3, 4, 6, 8, 16) if base.num_compute_wgs == 1},
     }
     unique: dict[KernelConfig, str] = {}
     for name, config in options.items():

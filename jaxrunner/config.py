@@ -87,7 +87,9 @@ class SchedulerConfig:
     once for all of them. It applies only while every running request is decoding
     and can end only at its length limit, and no waiting request could be
     admitted; otherwise the step is a single one. Counts below the maximum are
-    powers of two (:meth:`decode_step_counts`), each a compiled program per bucket.
+    powers of two (:meth:`decode_step_counts`); each is a program per bucket that
+    unrolls that many steps, so precompiling takes about 2 + 4 + ... + K forward
+    steps' compile time more per bucket. At most ``CacheConfig.block_size``.
     """
 
     max_num_seqs: int = 128
@@ -237,10 +239,17 @@ class RunnerConfig:
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.speculative_config is not None and self.scheduler_config.num_scheduler_steps > 1:
+        steps = self.scheduler_config.num_scheduler_steps
+        if self.speculative_config is not None and steps > 1:
             raise ValueError(
                 "SchedulerConfig.num_scheduler_steps > 1 runs several plain decode steps per round and cannot "
                 "verify drafts; use speculative decoding or multi-step scheduling, not both."
+            )
+        if steps > self.cache_config.block_size:
+            raise ValueError(
+                f"SchedulerConfig.num_scheduler_steps ({steps}) exceeds CacheConfig.block_size "
+                f"({self.cache_config.block_size}): a round may take at most one new KV block per request. "
+                "Lower num_scheduler_steps."
             )
 
     @property

@@ -144,6 +144,8 @@ class LLMEngine:
     def _sequences(self, request_id: str, token_ids: list[int], params: SamplingParams) -> list[_Sequence]:
         """The ``n`` sequences of a prompt; with a seed, child i samples with seed + i."""
         arrival = time.monotonic()
+        # Children differ only in their seeds, which decide nothing here.
+        multi_step_ok = self.scheduler.config.num_scheduler_steps > 1 and self._runs_to_length(params)
         sequences = []
         for index in range(params.n):
             child_params = params
@@ -152,7 +154,7 @@ class LLMEngine:
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             request = Request(child_id, token_ids, child_params, self.eos_token_id, arrival_time=arrival,
-                              multi_step_ok=self._runs_to_length(child_params))
+                              multi_step_ok=multi_step_ok)
             logprobs = [] if params.logprobs is not None else None
             sequences.append(_Sequence(request, self._detokenizer(token_ids, child_params), logprobs=logprobs))
         return sequences

@@ -401,11 +401,7 @@ class ModelRunner:
             ),
             donate_argnums=(2, 3, 4), out_shardings=(cache, cache, whole, whole),
         )
-        words = bitmask_words(self.vocab_size)
-        return steps_jit.lower(
-            *self._step_inputs(shape, self.num_blocks),
-            self._input((num_rows, words), jnp.int32), self._input((num_rows,), jnp.bool_),
-        )
+        return steps_jit.lower(*self._step_inputs(shape, self.num_blocks))
 
     # ------------------------------------------------------------ request state
 
@@ -471,6 +467,11 @@ class ModelRunner:
         computed = self.req_states.num_computed_tokens[idx_mapping]
         seq_lens = computed + num_scheduled
         steps = scheduler_output.num_decode_steps
+        if steps not in self.config.scheduler_config.decode_step_counts:
+            raise ValueError(
+                f"num_decode_steps is {steps}; this runner runs rounds of "
+                f"{self.config.scheduler_config.decode_step_counts} steps (SchedulerConfig.num_scheduler_steps)."
+            )
         if steps > 1:
             self._check_decode_round(req_ids, num_scheduled, computed, idx_mapping, scheduler_output)
             num_scheduled = np.ones_like(num_scheduled)  # one token a step
@@ -511,7 +512,8 @@ class ModelRunner:
         scheduler_output: SchedulerOutput,
     ) -> None:
         """Raise ValueError unless a round of several decode steps gives each request one token a
-        step, no drafts, and a first step that samples (its prompt is in, but for one token at most)."""
+        step, no drafts, a first step that samples (its prompt is in, but for one token at most),
+        and the plain sampling program (no stage before the draw, no logprobs)."""
         steps = scheduler_output.num_decode_steps
         if scheduler_output.scheduled_spec_decode_tokens or np.any(num_scheduled != steps):
             raise ValueError(
@@ -523,6 +525,12 @@ class ModelRunner:
             raise ValueError(
                 f"Request {req_ids[int(np.argmax(prefilling))]!r} is still prefilling; a round of several "
                 "decode steps takes only requests whose first step samples."
+            )
+        plain = self.req_states.plain_sampling[idx_mapping] & (self.req_states.num_logprobs[idx_mapping] == 0)
+        if not plain.all():
+            raise ValueError(
+                f"Request {req_ids[int(np.argmin(plain))]!r} uses a sampling stage before the draw or "
+                "logprobs; a round of several decode steps takes only plainly sampled requests."
             )
 
     def _call(self, program: jax.stages.Compiled, *args):
@@ -556,19 +564,10 @@ class ModelRunner:
 
     def _run_decode_steps(self, batch: InputBatch, buffer: np.ndarray) -> _Dispatched:
         """Dispatch a round of several decode steps: forward and plain sampling, in one program."""
-        plain = self.req_states.plain_sampling[batch.idx_mapping_np] & (
-            self.req_states.num_logprobs[batch.idx_mapping_np] == 0
-        )
-        if not plain.all():
-            raise ValueError(
-                f"Request {batch.req_ids[int(np.argmin(plain))]!r} uses a sampling stage before the draw or "
-                "logprobs; a round of several decode steps takes only plainly sampled requests."
-            )
-        bucket = batch.num_reqs_after_padding
-        program = self._decode_steps_programs.get((batch.num_tokens_after_padding, bucket, batch.num_steps))
+        key = (batch.num_tokens_after_padding, batch.num_reqs_after_padding, batch.num_steps)
         self.kv_caches, self.draft_kv_caches, self.device_state, tokens = self._call(
-            program, self._param_leaves, self._draft_leaves, self.kv_caches, self.draft_kv_caches, self.device_state,
-            buffer, *self._no_grammar[bucket],
+            self._decode_steps_programs.get(key), self._param_leaves, self._draft_leaves, self.kv_caches,
+            self.draft_kv_caches, self.device_state, buffer,
         )
         return _Dispatched(batch, tokens=tokens)
 
@@ -597,10 +596,14 @@ class ModelRunner:
         dispatched, self.execute_model_state = self.execute_model_state, None
         batch = dispatched.batch
         if dispatched.tokens is not None:  # a round of decode steps, sampled in its own program
+            output = self._finish(_PendingOutput(self, batch, dispatched.tokens, None, {}))
             if _uses_grammar(grammar_output):
-                raise ValueError("A round of several decode steps cannot take a grammar's bitmask.")
-            return self._finish(_PendingOutput(self, batch, dispatched.tokens, None, {}))
-        _, sample_hidden, rows, hidden, _ = dispatched
+                raise ValueError(
+                    "A round of several decode steps samples without a grammar; its tokens were not constrained. "
+                    "Run structured-output requests one step at a time."
+                )
+            return output
+        sample_hidden, rows, hidden = dispatched.sample_hidden, dispatched.rows, dispatched.hidden
         bucket = batch.num_reqs_after_padding
         bitmask, active = self._grammar_rows(batch, grammar_output)
         wants_logprobs = bool(np.any((self.req_states.num_logprobs[batch.idx_mapping_np] > 0) & batch.is_sampling_np))

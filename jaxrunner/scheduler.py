@@ -167,8 +167,9 @@ class Scheduler:
                 spec_tokens[request.request_id] = drafts
             index += 1
 
-        # Waiting requests only when nothing was preempted this step (as vLLM).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Waiting requests only when nothing was preempted this step (as vLLM), and never into a round.
+        while (steps == 1 and not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             tokens = request.all_token_ids
             if request.sampling_params.prompt_logprobs is None:
@@ -225,9 +226,11 @@ class Scheduler:
         """Decode steps this round may run back to back (multi-step scheduling); 1 for a single step.
 
         Several only when every running request is a decode that can end only at its
-        length limit, no waiting request could be admitted, and the free blocks hold
+        length limit, no request waits while a seat is free, and the free blocks hold
         every request's next tokens; then the largest allowed count that takes no
         request past its length limit, so none finishes before the round's last step.
+        Requests whose last token is already being sampled are left out: they are not
+        scheduled again.
         """
         counts = self.config.decode_step_counts
         if len(counts) == 1 or not self.running:
@@ -235,16 +238,15 @@ class Scheduler:
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             return 1
         most = counts[-1]
-        for request in self.running:
+        decoding = [r for r in self.running if not (r.num_output_placeholders and self._at_length_limit(r))]
+        for request in decoding:
             pending = request.num_output_placeholders
             if not request.multi_step_ok or request.num_tokens + pending - request.num_computed_tokens != 1:
                 return 1
             most = min(most, self._tokens_left(request))
         steps = max(c for c in counts if c <= max(most, 1))
         manager = self.kv_cache_manager
-        needed = sum(
-            manager.num_blocks_to_grow(r.request_id, r.num_computed_tokens + steps) for r in self.running
-        )
+        needed = sum(manager.num_blocks_to_grow(r.request_id, r.num_computed_tokens + steps) for r in decoding)
         return steps if manager.can_fit(needed) else 1
 
     def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:

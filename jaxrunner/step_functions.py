@@ -113,8 +113,8 @@ def sample_step(
 
 
 def decode_steps(
-    statics: StepStatics, params, draft_params, kv_caches, draft_kv, state, step_buffer, grammar_bitmask,
-    grammar_active, *, shape: StepShape, num_rows: int, num_steps: int,
+    statics: StepStatics, params, draft_params, kv_caches, draft_kv, state, step_buffer,
+    *, shape: StepShape, num_rows: int, num_steps: int,
 ):
     """``num_steps`` decode steps back to back (multi-step scheduling): each a forward step and
     the plain sampling step, each step's sampled tokens the next one's inputs, all on the device.
@@ -129,8 +129,8 @@ def decode_steps(
         kv_caches, draft_kv, state, sample_hidden, rows, _ = forward(
             statics, params, draft_params, kv_caches, draft_kv, state, step_buffer, shape=shape
         )
-        draft_kv, state, step_tokens, _ = sample_step(
-            statics, params, draft_params, draft_kv, sample_hidden, rows, state, grammar_bitmask, grammar_active,
+        draft_kv, state, step_tokens, _ = sample_step(  # the plain path takes no grammar
+            statics, params, draft_params, draft_kv, sample_hidden, rows, state, None, None,
             num_rows=num_rows, plain=True,
         )
         tokens.append(step_tokens)

@@ -87,9 +87,9 @@ class KernelConfig:
     of it under the Mosaic GPU interpreter hung (passes elsewhere; the sweep checks
     it against the reference on the GPU)."""
     longest_first: bool = False
-    """Launch the tiles last to first, every kv head's before the next tile: a request's
-    later tiles see more keys (causal), so the last wave holds the shortest programs
-    instead of the longest."""
+    """Launch each kv head's tiles last to first, one kv head after another (the default
+    launches each tile's kv heads together, first tile first): a request's later tiles
+    see more keys (causal), so the last wave holds short programs instead of the longest."""
 
     def __post_init__(self):
         if self.pingpong and self.num_compute_wgs != 2:
@@ -449,13 +449,18 @@ def choose_splits(programs: int, kv_stages: int, num_sms: int) -> int:
 
 
 def kernel_supports(dtype, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel runs this case on a GPU: 16-bit caches, its head dims, and pages that
-    tile a stage of a multiple of 64 keys (8-row-aligned, and either dividing 64 or a multiple of it)."""
+    """Whether the kernel runs this case on a GPU: 16-bit caches, its head dims, pages that tile
+    a stage of a multiple of 64 keys (8-row-aligned, and either dividing 64 or a multiple of it),
+    and a prefill program's two stages of at least one page beside its queries in shared memory."""
+    itemsize = jnp.dtype(dtype).itemsize
+    two_pages = 2 * max(block_size, 64) * 2 * head_dim * itemsize
+    prefill_queries = 2 * ROWS_PER_WG * head_dim * itemsize
     return (
         jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and head_dim in SUPPORTED_HEAD_DIMS
         and block_size % 8 == 0
         and (64 % block_size == 0 or block_size % 64 == 0)
+        and two_pages + prefill_queries + 2 * ROWS_PER_WG * 4 <= SHARED_MEMORY_BYTES
     )
 
 
@@ -612,7 +617,7 @@ def launch_kernel(
     def entry(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref=None):
         body(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref)
 
-    # The first grid axis varies fastest in launch order.
+    # The last grid axis varies fastest in launch order (Mosaic GPU makes it CUDA's x).
     axes = {"split": splits, "tile": num_tiles, "kv_head": num_kv_heads}
     order = ("split", "kv_head", "tile") if config.longest_first else ("split", "tile", "kv_head")
     return plgpu.kernel(

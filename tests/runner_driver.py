@@ -37,13 +37,15 @@ def make_runner(
     max_model_len: int = 256,
     cache_dir: str = "",
     mesh: Mesh | None = None,
+    num_scheduler_steps: int = 1,
 ) -> ModelRunner:
     """A runner with ``model`` loaded and its KV cache allocated; ``mesh`` as the model's for TP."""
     config = RunnerConfig(
         model_config=ModelConfig(max_model_len=max_model_len, dtype=str(model.dtype)),
         cache_config=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            num_scheduler_steps=num_scheduler_steps,
         ),
         compilation_config=CompilationConfig(
             token_buckets=token_buckets, request_buckets=request_buckets, cache_dir=cache_dir

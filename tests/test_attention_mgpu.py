@@ -17,9 +17,12 @@ import pytest
 from jaxrunner.compat import mosaic_gpu_interpreter
 from jaxrunner.ops import AttentionMetadata, ragged_paged_attention
 from jaxrunner.ops.attention_mgpu import (
+    ROWS_PER_WG,
+    SHARED_MEMORY_BYTES,
     KernelConfig,
     choose_config,
     choose_splits,
+    kernel_supports,
     num_tiles_bound,
     ragged_paged_attention_mgpu,
     tile_schedule,
@@ -113,12 +116,26 @@ def test_split_model_keeps_the_sweeps_optima_and_the_sms_busy():
 
 
 def test_kernel_takes_only_the_cases_it_supports():
-    from jaxrunner.ops.attention_mgpu import kernel_supports
-
     assert kernel_supports(jnp.bfloat16, 128, 16) and kernel_supports(jnp.float16, 64, 128)
     assert not kernel_supports(jnp.float32, 128, 16)  # wgmma would run it in tf32
     assert not kernel_supports(jnp.bfloat16, 96, 16)
     assert not kernel_supports(jnp.bfloat16, 128, 48)  # a stage of 48 keys is no wgmma K
+    assert not kernel_supports(jnp.bfloat16, 256, 128)  # two 128-key pages of D=256 and the queries: 320 KiB
+
+
+@pytest.mark.parametrize(
+    "head_dim, block_size",
+    [(d, b) for d in (64, 128, 256) for b in (8, 16, 32, 64, 128) if kernel_supports(jnp.bfloat16, d, b)],
+)
+def test_table_configs_fit_in_shared_memory(head_dim, block_size):
+    """Queries, ring and (split) log-sum-exps of every config the table picks for a supported case."""
+    max_blocks = 32768 // block_size
+    for num_tokens, num_reqs in [(1, 1), (64, 64), (256, 1), (8192, 1), (2048, 8)]:
+        config = choose_config(num_tokens, num_reqs, 4, 8, head_dim, block_size, max_blocks, 2)
+        stage_keys = config.pages_per_stage * block_size
+        used = (config.num_compute_wgs * ROWS_PER_WG * head_dim * 2 + config.num_stages * stage_keys * 2 * head_dim * 2
+                + (config.num_compute_wgs * ROWS_PER_WG * 4 if config.num_kv_splits > 1 else 0))
+        assert used <= SHARED_MEMORY_BYTES, (num_tokens, num_reqs, config, used)
 
 
 def _lower_for_cuda(num_tokens: int, num_reqs: int, max_blocks: int, head_dim: int, dtype, config: KernelConfig):

@@ -120,9 +120,10 @@ def test_async_scheduling_overlaps_steps_and_changes_no_output(make_llm, monkeyp
 
 def test_multi_step_rounds_change_no_output(make_llm, monkeypatch):
     """Several decode steps per round (``num_scheduler_steps``) give the tokens of one step at a time:
-    seeded sampling, lengths that end mid-round, requests waiting for a slot, preemption; and a
-    request that can stop early (a stop token id) or samples with a stage before the draw keeps
-    the whole batch to single steps while it runs."""
+    seeded sampling, lengths that end mid-round, requests waiting for a slot, a cache tight enough to
+    preempt (between rounds: a round starts only when the free blocks hold it); and a request that can
+    stop early (a stop token id) or samples with a stage before the draw keeps the whole batch to
+    single steps while it runs."""
     prompts = PROMPTS[:10]
     sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=5 + 3 * i, ignore_eos=True) for i in range(10)]
     mixed = [dataclasses.replace(sampled[0], stop_token_ids=[0]), dataclasses.replace(sampled[1], top_k=5),

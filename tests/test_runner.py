@@ -156,9 +156,10 @@ def test_unknown_request_is_rejected(cache_dir):
 
 
 def test_a_round_of_decode_steps_refuses_what_it_cannot_run(cache_dir):
-    """Several decode steps in one program take one token a step of plainly sampled, prefilled requests."""
+    """Several decode steps in one program take one token a step of plainly sampled, prefilled requests,
+    in the rounds the runner was configured for."""
     runner = make_runner(_tiny_model(), max_num_seqs=4, max_num_batched_tokens=32, cache_dir=cache_dir,
-                         **SMALL_LADDERS)
+                         num_scheduler_steps=2, **SMALL_LADDERS)
     top_p = SamplingParams(temperature=1.0, top_p=0.5)
     new = [_new_request("plain", [5, 6, 7], [1]), _new_request("top_p", [5, 6, 8], [2], top_p),
            _new_request("long", list(range(9)), [3])]
@@ -169,12 +170,27 @@ def test_a_round_of_decode_steps_refuses_what_it_cannot_run(cache_dir):
         cached = CachedRequestData(list(tokens), [0] * len(tokens), [None] * len(tokens))
         return SchedulerOutput([], cached, tokens, sum(tokens.values()), num_decode_steps=steps)
 
+    with pytest.raises(ValueError, match="num_decode_steps is 4"):
+        runner.execute_model(round_of({"plain": 4}, steps=4))
     with pytest.raises(ValueError, match="exactly 2 tokens"):
         runner.execute_model(round_of({"plain": 3}))
     with pytest.raises(ValueError, match="'long' is still prefilling"):
         runner.execute_model(round_of({"long": 2}))
     with pytest.raises(ValueError, match="'top_p' uses a sampling stage"):
         runner.execute_model(round_of({"plain": 2, "top_p": 2}))
+
+
+def test_multi_step_scheduling_refuses_what_it_cannot_combine():
+    from jaxrunner.config import CacheConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
+
+    with pytest.raises(ValueError, match="num_scheduler_steps must be at least 1"):
+        SchedulerConfig(num_scheduler_steps=0)
+    with pytest.raises(ValueError, match="exceeds CacheConfig.block_size"):
+        RunnerConfig(cache_config=CacheConfig(block_size=16), scheduler_config=SchedulerConfig(num_scheduler_steps=32))
+    with pytest.raises(ValueError, match="speculative decoding or multi-step"):
+        RunnerConfig(scheduler_config=SchedulerConfig(num_scheduler_steps=4),
+                     speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    assert SchedulerConfig(num_scheduler_steps=6).decode_step_counts == (1, 2, 4, 6)
 
 
 @pytest.mark.parametrize(
