@@ -239,6 +239,8 @@ class Scheduler:
             return 1
         most = counts[-1]
         decoding = [r for r in self.running if not (r.num_output_placeholders and self._at_length_limit(r))]
+        if not decoding:
+            return 1
         for request in decoding:
             pending = request.num_output_placeholders
             if not request.multi_step_ok or request.num_tokens + pending - request.num_computed_tokens != 1:
