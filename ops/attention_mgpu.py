@@ -448,19 +448,29 @@ def choose_splits(programs: int, kv_stages: int, num_sms: int) -> int:
     return min(range(1, most + 1), key=modelled_time)
 
 
+def program_shared_memory(config: KernelConfig, head_dim: int, block_size: int, itemsize: int) -> int:
+    """Shared-memory bytes of one program's queries, K/V ring and (when split) log-sum-exps,
+    the part ``SHARED_MEMORY_BYTES`` bounds."""
+    queries = config.num_compute_wgs * ROWS_PER_WG * head_dim * itemsize
+    ring = config.num_stages * config.pages_per_stage * block_size * 2 * head_dim * itemsize
+    lse = config.num_compute_wgs * ROWS_PER_WG * 4 if config.num_kv_splits > 1 else 0
+    return queries + ring + lse
+
+
 def kernel_supports(dtype, head_dim: int, block_size: int) -> bool:
     """Whether the kernel runs this case on a GPU: 16-bit caches, its head dims, pages that tile
     a stage of a multiple of 64 keys (8-row-aligned, and either dividing 64 or a multiple of it),
-    and a prefill program's two stages of at least one page beside its queries in shared memory."""
-    itemsize = jnp.dtype(dtype).itemsize
-    two_pages = 2 * max(block_size, 64) * 2 * head_dim * itemsize
-    prefill_queries = 2 * ROWS_PER_WG * head_dim * itemsize
+    and room in shared memory for the smallest split prefill program (two stages of one such stage each)."""
+    smallest_prefill = KernelConfig(
+        pages_per_stage=max(64 // block_size, 1), num_stages=2, num_compute_wgs=2, num_kv_splits=2
+    )
     return (
         jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and head_dim in SUPPORTED_HEAD_DIMS
         and block_size % 8 == 0
         and (64 % block_size == 0 or block_size % 64 == 0)
-        and two_pages + prefill_queries + 2 * ROWS_PER_WG * 4 <= SHARED_MEMORY_BYTES
+        and program_shared_memory(smallest_prefill, head_dim, block_size, jnp.dtype(dtype).itemsize)
+        <= SHARED_MEMORY_BYTES
     )
 
 

@@ -17,13 +17,13 @@ import pytest
 from jaxrunner.compat import mosaic_gpu_interpreter
 from jaxrunner.ops import AttentionMetadata, ragged_paged_attention
 from jaxrunner.ops.attention_mgpu import (
-    ROWS_PER_WG,
     SHARED_MEMORY_BYTES,
     KernelConfig,
     choose_config,
     choose_splits,
     kernel_supports,
     num_tiles_bound,
+    program_shared_memory,
     ragged_paged_attention_mgpu,
     tile_schedule,
 )
@@ -132,9 +132,7 @@ def test_table_configs_fit_in_shared_memory(head_dim, block_size):
     max_blocks = 32768 // block_size
     for num_tokens, num_reqs in [(1, 1), (64, 64), (256, 1), (8192, 1), (2048, 8)]:
         config = choose_config(num_tokens, num_reqs, 4, 8, head_dim, block_size, max_blocks, 2)
-        stage_keys = config.pages_per_stage * block_size
-        used = (config.num_compute_wgs * ROWS_PER_WG * head_dim * 2 + config.num_stages * stage_keys * 2 * head_dim * 2
-                + (config.num_compute_wgs * ROWS_PER_WG * 4 if config.num_kv_splits > 1 else 0))
+        used = program_shared_memory(config, head_dim, block_size, 2)
         assert used <= SHARED_MEMORY_BYTES, (num_tokens, num_reqs, config, used)
 
 
