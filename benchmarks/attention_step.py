@@ -48,7 +48,7 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 SM_SCALE = HEAD_DIM**-0.5
 
 
-def seconds(fn, *args, repeats: int = 20, traced_repeats: int = 5) -> dict:
+def seconds(fn, *args, repeats: int = 10, traced_repeats: int = 3) -> dict:
     """Per call of ``fn(*args)``: wall seconds, the median over ``repeats`` runs of one program of
     ``inner`` calls; then, from CUPTI over ``traced_repeats`` further runs, the device seconds of
     all its kernels and of the longest-running one (the kernel under test).
@@ -98,10 +98,10 @@ def seconds(fn, *args, repeats: int = 20, traced_repeats: int = 5) -> dict:
     return result
 
 
-def make_case(q_lens: list[int], seq_lens: list[int], seed: int = 0):
-    """q, paged caches with shuffled block tables, and metadata for these requests."""
+def make_case(q_lens: list[int], seq_lens: list[int], block_size: int = BLOCK_SIZE, seed: int = 0):
+    """q, paged caches of ``block_size``-token pages with shuffled block tables, and metadata for these requests."""
     rng = np.random.default_rng(seed)
-    blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    blocks = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks) + 1
     perm = rng.permutation(num_blocks)
     table = np.zeros((len(seq_lens), max(blocks)), np.int32)
@@ -115,11 +115,17 @@ def make_case(q_lens: list[int], seq_lens: list[int], seed: int = 0):
         jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(table), jnp.zeros(num_tokens, jnp.int32)
     )
     key = jax.random.key(seed)
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     k_cache = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.bfloat16)
     v_cache = jax.random.normal(jax.random.fold_in(key, 2), shape, jnp.bfloat16)
     q = jax.random.normal(jax.random.fold_in(key, 3), (num_tokens, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16)
     return q, k_cache, v_cache, metadata
+
+
+def max_rel_error(got, expected) -> float:
+    """Largest absolute difference relative to the largest reference output."""
+    got, expected = got.astype(jnp.float32), expected.astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - expected)) / jnp.max(jnp.abs(expected)))
 
 
 def kv_bytes(seq_lens: list[int]) -> int:
@@ -136,7 +142,8 @@ def kernel_only(q, k_cache, v_cache, metadata):
     """Our kernel without the wrapper's XLA ops (schedule, query gather, output gather, combine),
     to show how the time splits between them."""
     config = config_for(q, k_cache, metadata)
-    schedule, q_tiles = prepare_tiles(q, NUM_KV_HEADS, metadata, config, sliding_window=None)
+    prepare = jax.jit(prepare_tiles, static_argnums=(1, 3), static_argnames="sliding_window")
+    schedule, q_tiles = prepare(q, NUM_KV_HEADS, metadata, config, sliding_window=None)
 
     def fn(q_tiles, fields, block_tables, k_cache, v_cache, **kwargs):
         return launch_kernel(fields, block_tables, q_tiles, k_cache, v_cache, config=config,
@@ -174,6 +181,8 @@ def prefill_baseline(q, k_cache, v_cache, metadata, q_lens):
     return (lambda q, k, v: attention_mgpu.attention(q, k, v, config)), (qb, k, v)
 
 
+BASELINE_NAMES = {"decode": "pallas_paged_attention", "prefill": "pallas_attention_mgpu"}
+
 CASES = (
     [("decode", b, c) for b in (1, 16, 64, 256) for c in (1024, 4096, 32768)]
     + [("prefill", 1, 8192), ("prefill", 8, 2048), ("mixed", 64, 4096)]
@@ -189,26 +198,34 @@ def lengths(kind: str, batch: int, context: int) -> tuple[list[int], list[int]]:
     return [1] * batch + [512, 512, 1000], [context] * batch + [2560, 2560, 1000]
 
 
-def run_case(kind, batch, context, floors) -> dict:
+def baseline(kind, q, k_cache, v_cache, metadata, q_lens):
+    """The shipped kernel that applies to this case, as (fn, args), or None."""
+    if kind == "decode":
+        return decode_baseline(q, k_cache, v_cache, metadata)
+    if kind == "prefill":
+        return prefill_baseline(q, k_cache, v_cache, metadata, q_lens)
+    return None
+
+
+def run_case(kind, batch, context, floors, block_size: int = BLOCK_SIZE) -> dict:
     q_lens, seq_lens = lengths(kind, batch, context)
-    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens)
+    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, block_size)
     ours = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=SM_SCALE))
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=SM_SCALE))
     row = {"kind": kind, "batch": batch, "context": context, "kv_bytes": kv_bytes(seq_lens),
            "flops": causal_flops(q_lens, seq_lens)}
-    expected = ref(q, k_cache, v_cache, metadata).astype(jnp.float32)
-    got = ours(q, k_cache, v_cache, metadata).astype(jnp.float32)
-    row["max_rel_error"] = float(jnp.max(jnp.abs(got - expected)) / jnp.max(jnp.abs(expected)))
+    started = time.perf_counter()
+    row["max_rel_error"] = max_rel_error(ours(q, k_cache, v_cache, metadata), ref(q, k_cache, v_cache, metadata))
     timed = {"ours": (ours, (q, k_cache, v_cache, metadata)), "reference": (ref, (q, k_cache, v_cache, metadata)),
              "ours_kernel_only": kernel_only(q, k_cache, v_cache, metadata)}
     try:
-        if kind == "decode":
-            timed["pallas_paged_attention"] = decode_baseline(q, k_cache, v_cache, metadata)
-        elif kind == "prefill":
-            timed["pallas_attention_mgpu"] = prefill_baseline(q, k_cache, v_cache, metadata, q_lens)
+        if (shipped := baseline(kind, q, k_cache, v_cache, metadata, q_lens)) is not None:
+            timed[BASELINE_NAMES[kind]] = shipped
     except Exception as exc:
         row["baseline_error"] = repr(exc)
+    row["check_and_setup_s"] = time.perf_counter() - started
     for name, (fn, args) in timed.items():
+        started = time.perf_counter()
         try:
             timing = seconds(fn, *args)
         except Exception as exc:
@@ -222,6 +239,7 @@ def run_case(kind, batch, context, floors) -> dict:
             label = name if measure == "s" else f"{name}_{measure.removesuffix('_s')}"
             row[f"{label}_kv_bw_fraction"] = row["kv_bytes"] / t / floors["copy_bytes_per_s"]
             row[f"{label}_matmul_fraction"] = row["flops"] / t / floors["matmul_flops_per_s"]
+        row[f"{name}_elapsed_s"] = time.perf_counter() - started  # compiling included: where a run's time goes
     del q, k_cache, v_cache
     return row
 
@@ -253,25 +271,32 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
     return {name: config for config, name in unique.items()}
 
 
-def sweep_case(kind, batch, context) -> dict:
-    """Time and check every candidate config of one case; the fastest correct one wins."""
+def sweep_case(kind, batch, context, block_size: int = BLOCK_SIZE) -> dict:
+    """Time and check every candidate config of one case, and the shipped baseline in the same run;
+    the fastest correct config wins."""
     q_lens, seq_lens = lengths(kind, batch, context)
-    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens)
+    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, block_size)
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=SM_SCALE))
-    expected = ref(q, k_cache, v_cache, metadata).astype(jnp.float32)
+    expected = ref(q, k_cache, v_cache, metadata)
     base = config_for(q, k_cache, metadata)
     row = {"kind": kind, "batch": batch, "context": context, "configs": {}}
     for name, config in candidate_configs(base).items():
         entry = {"config": dataclasses.asdict(config)}
         try:
             fn = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=SM_SCALE, config=config))
-            got = fn(q, k_cache, v_cache, metadata).astype(jnp.float32)
-            entry["max_rel_error"] = float(jnp.max(jnp.abs(got - expected)) / jnp.max(jnp.abs(expected)))
+            entry["max_rel_error"] = max_rel_error(fn(q, k_cache, v_cache, metadata), expected)
             entry.update(seconds(fn, q, k_cache, v_cache, metadata))
         except Exception as exc:
             entry["error"] = "".join(traceback.format_exception_only(exc))[-1500:]
         row["configs"][name] = entry
         print(kind, batch, context, name, {k: v for k, v in entry.items() if k != "config"}, flush=True)
+    try:
+        if (shipped := baseline(kind, q, k_cache, v_cache, metadata, q_lens)) is not None:
+            fn, args = shipped
+            row[BASELINE_NAMES[kind]] = seconds(fn, *args)
+    except Exception as exc:
+        row["baseline_error"] = "".join(traceback.format_exception_only(exc))[-1500:]
+    print(kind, batch, context, "baseline", row.get(BASELINE_NAMES.get(kind), row.get("baseline_error")), flush=True)
     return row
 
 
@@ -326,6 +351,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="case names kind:batch:context to run (default: all)")
     parser.add_argument("--sweep", action="store_true", help="time the tuning table's neighbours instead")
     parser.add_argument("--kv-write", action="store_true", help="time the KV cache write's two implementations instead")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens a KV page holds")
     args = parser.parse_args()
     if args.kv_write:
         with open(args.out, "w") as f:
@@ -336,9 +362,10 @@ def main() -> None:
         for case in SWEEP_CASES:  # written after each case, so a cut-short run keeps what it measured
             if args.only and ":".join(map(str, case)) not in args.only:
                 continue
-            rows.append(sweep_case(*case))
+            rows.append(sweep_case(*case, args.block_size))
             with open(args.out, "w") as f:
-                json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "sweep": rows}, f, indent=1)
+                json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "block_size": args.block_size,
+                           "sweep": rows}, f, indent=1)
         return
     floors = measure_floors(1 << 30)
     print(json.dumps(floors), flush=True)
@@ -347,14 +374,15 @@ def main() -> None:
         if args.only and f"{kind}:{batch}:{context}" not in args.only:
             continue
         try:
-            row = run_case(kind, batch, context, floors)
+            row = run_case(kind, batch, context, floors, args.block_size)
         except Exception as exc:
             row = {"kind": kind, "batch": batch, "context": context,
                    "error": "".join(traceback.format_exception(exc))[-4000:]}
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "floors": floors, "cases": rows}, f,
+            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "block_size": args.block_size,
+                       "floors": floors, "cases": rows}, f,
                       indent=1)
 
 

@@ -113,12 +113,27 @@ def torch_copy_bytes_per_s(elements: int) -> dict[str, float | str]:
 
 
 def fill_random(kv_caches):
-    fill = jax.jit(lambda c, k: jax.random.normal(k, c.shape, c.dtype), donate_argnums=0)
+    """The caches with random values, one layer at a time: each layer's zeros are freed before
+    its random values are made, so the peak is the caches plus one layer's temporaries."""
     key = jax.random.key(2)
     out = []
-    for i, (k, v) in enumerate(kv_caches):
-        out.append((fill(k, jax.random.fold_in(key, 2 * i)), fill(v, jax.random.fold_in(key, 2 * i + 1))))
+    for i, layer in enumerate(kv_caches):
+        filled = []
+        for j, cache in enumerate(layer):
+            shape, dtype, sharding = cache.shape, cache.dtype, cache.sharding
+            cache.delete()
+            make = jax.jit(lambda k: jax.random.normal(k, shape, dtype), out_shardings=sharding)
+            filled.append(make(jax.random.fold_in(key, 2 * i + j)))
+        out.append(tuple(filled))
     return out
+
+
+def device_memory() -> dict[str, int]:
+    """Bytes in use on the device (and the peak and limit where the backend reports them), and the
+    bytes of the arrays Python still holds: a gap between the two is temporaries or leaked buffers."""
+    stats = jax.devices()[0].memory_stats() or {}
+    held = {"live_array_bytes": sum(a.nbytes for a in jax.live_arrays())}
+    return held | {k: int(v) for k, v in stats.items() if k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
 
 
 def steps_per_round(runner: ModelRunner) -> int:
@@ -251,9 +266,29 @@ def build_runner(
     )
     runner = ModelRunner(config)
     runner.load_model(init_random_model(model, dtype="bfloat16", seed=0))
+    print(f"weights loaded: {json.dumps(device_memory())}", flush=True)
     runner.initialize_kv_cache()
+    print(f"caches allocated: {json.dumps(device_memory())}", flush=True)
     runner.kv_caches = fill_random(runner.kv_caches)
+    print(f"caches filled: {json.dumps(device_memory())}", flush=True)
     return runner
+
+
+def measure_case(runner: ModelRunner, batch: int, context: int, args, rng, floors: dict, weight_bytes: int) -> dict:
+    """One batch x context: step times one round at a time and pipelined, against the bandwidth floor;
+    the kernel profile and device timeline when asked for."""
+    one_at_a_time = statistics.median(time_decode(runner, batch, context, args.steps, rng, False)[3:])
+    step = statistics.median(time_decode(runner, batch, context, args.steps, rng, True)[3:])
+    kv_bytes = batch * (context + 1) * runner.kv_cache_spec.bytes_per_block / runner.block_size
+    floor = (weight_bytes + kv_bytes) / floors["copy_bytes_per_s"]
+    row = dict(batch=batch, context=context, step_ms=step * 1e3, floor_ms=floor * 1e3, ratio=step / floor,
+               tokens_per_s=batch / step, one_at_a_time_ms=one_at_a_time * 1e3, memory=device_memory())
+    if args.profile:
+        row["profile"] = kernel_profile(runner, batch, context, args.steps, rng)
+    if args.trace:
+        keep = Path(args.keep_events) / f"events_b{batch}_c{context}.json.gz" if args.keep_events else None
+        row["timeline"] = traced_timeline(runner, batch, context, args.steps, rng, keep)
+    return row
 
 
 def main() -> None:
@@ -285,26 +320,25 @@ def main() -> None:
     load_s = time.perf_counter() - start
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
     compile_s = runner.capture_model()
+    memory = {"after_precompile": device_memory(), "programs": runner.program_memory_bytes()}
+    print(f"after precompile: {json.dumps(memory['after_precompile'])}", flush=True)
+    for kind, buckets in memory["programs"].items():
+        for bucket, sizes in buckets.items():
+            print(f"  {kind} {bucket}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()), flush=True)
 
     rng = np.random.default_rng(0)
     rows = []
     for batch in args.batches:
         for context in args.contexts:
-            one_at_a_time = statistics.median(time_decode(runner, batch, context, args.steps, rng, False)[3:])
-            step = statistics.median(time_decode(runner, batch, context, args.steps, rng, True)[3:])
-            kv_bytes = batch * (context + 1) * runner.kv_cache_spec.bytes_per_block / runner.block_size
-            floor = (weight_bytes + kv_bytes) / floors["copy_bytes_per_s"]
-            rows.append(dict(batch=batch, context=context, step_ms=step * 1e3, floor_ms=floor * 1e3,
-                             ratio=step / floor, tokens_per_s=batch / step, one_at_a_time_ms=one_at_a_time * 1e3))
-            if args.profile:
-                rows[-1]["profile"] = kernel_profile(runner, batch, context, args.steps, rng)
-            if args.trace:
-                keep = Path(args.keep_events) / f"events_b{batch}_c{context}.json.gz" if args.keep_events else None
-                rows[-1]["timeline"] = traced_timeline(runner, batch, context, args.steps, rng, keep)
+            try:
+                rows.append(measure_case(runner, batch, context, args, rng, floors, weight_bytes))
+            except Exception as exc:  # out of memory, say: keep the other cases and what was in use
+                rows.append(dict(batch=batch, context=context, error=repr(exc)[:2000], memory=device_memory()))
+                print(f"batch {batch} x {context}: {rows[-1]['error'][:300]}", flush=True)
     result = dict(device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                   scheduler_steps=args.scheduler_steps,
                   weight_gb=weight_bytes / 1e9, load_s=load_s, precompile_s=compile_s,
-                  programs=runner.num_compiled_programs, **floors, rows=rows)
+                  programs=runner.num_compiled_programs, memory=memory, **floors, rows=rows)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"device {device.device_kind}, jax {jax.__version__}, weights {weight_bytes / 1e9:.2f} GB, "
@@ -312,6 +346,8 @@ def main() -> None:
     print(f"copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {floors['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
     print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'ratio':>6} {'tok/s':>8} {'1-at-a-time ms':>14}")
     for r in rows:
+        if "error" in r:
+            continue
         print(f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
               f"{r['ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['one_at_a_time_ms']:>14.2f}")
     for r in rows:

@@ -115,3 +115,17 @@ class CompiledPrograms:
     def num_compiled(self) -> int:
         """How many buckets have a compiled program."""
         return len(self._programs)
+
+    def memory_bytes(self) -> dict[str, dict[str, int]]:
+        """XLA's memory analysis of each compiled program, by bucket: argument, output, aliased
+        (donated inputs reused as outputs) and temporary bytes. A program whose temporaries hold a
+        copy of its donated inputs shows it here before it runs out of memory."""
+        sizes = {}
+        for bucket, program in self._programs.items():
+            analysis = program.memory_analysis()
+            if analysis is not None:
+                sizes[str(bucket)] = {
+                    field: int(getattr(analysis, f"{field}_size_in_bytes"))
+                    for field in ("argument", "output", "alias", "temp", "generated_code")
+                }
+        return sizes

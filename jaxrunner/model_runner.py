@@ -288,12 +288,17 @@ class ModelRunner:
         return (False,) if self.num_spec else (False, True)
 
     @property
+    def _step_programs(self) -> tuple[CompiledPrograms, ...]:
+        return (self._forward_programs, self._sample_programs, self._write_programs, self._decode_steps_programs)
+
+    @property
     def num_compiled_programs(self) -> int:
         """Programs compiled so far over all buckets (flat after ``capture_model``)."""
-        return sum(
-            p.num_compiled
-            for p in (self._forward_programs, self._sample_programs, self._write_programs, self._decode_steps_programs)
-        )
+        return sum(p.num_compiled for p in self._step_programs)
+
+    def program_memory_bytes(self) -> dict[str, dict[str, dict[str, int]]]:
+        """XLA's memory analysis of every compiled step program, by kind and bucket (for benchmarks)."""
+        return {p.name: p.memory_bytes() for p in self._step_programs}
 
     # ---------------------------------------------------------------- programs
 
