@@ -428,14 +428,16 @@ at 1 x 1k (a fit of its sweep), at 0.73 us a stage."""
 
 def choose_splits(programs: int, kv_stages: int, num_sms: int) -> int:
     """KV splits that minimise the modelled time of a grid of ``programs`` (tiles x kv heads)
-    streaming ``kv_stages`` each: waves of one program per SM, each wave as long as one
-    program's share of the stages plus its fixed cost, plus the combine.
+    streaming ``kv_stages`` each: waves of one program per SM, each wave as long as its
+    longest program (a split streams whole stages: the ceiling of its share) plus its fixed
+    cost, plus the combine.
 
-    The constants come from the device times of the H100 sweep (``attention_step.py
+    The constants come from the device times of the H100 sweeps (``attention_step.py
     --sweep``), where 16 x 1k was fastest unsplit (128 programs; 1.15x two splits) and
-    1 x 1k with 4 to 8 splits (8 splits 1.31x two). Every other shape's choice is the
-    model's, not measured. A grid that already fills the SMs once is not split: unsplit,
-    64 x 4k and 256 x 32k read their KV at 94-102% of the copy rate.
+    1 x 1k with 8 splits (two whole stages each: 10.7 us against 11.6 with 7, whose
+    longest split streams three). Every other shape's choice is the model's, not measured.
+    A grid that already fills the SMs once is not split: unsplit, 64 x 4k and 256 x 32k
+    read their KV at 94-100% of the copy rate.
     """
     if programs >= num_sms:
         return 1
@@ -443,7 +445,7 @@ def choose_splits(programs: int, kv_stages: int, num_sms: int) -> int:
 
     def modelled_time(splits: int) -> float:
         waves = -(-programs * splits // num_sms)
-        return waves * (kv_stages / splits + PROGRAM_SETUP_STAGES) + SPLIT_COMBINE_STAGES * splits
+        return waves * (-(-kv_stages // splits) + PROGRAM_SETUP_STAGES) + SPLIT_COMBINE_STAGES * splits
 
     return min(range(1, most + 1), key=modelled_time)
 

@@ -109,7 +109,7 @@ def test_split_model_keeps_the_sweeps_optima_and_the_sms_busy():
     """The split model against the H100 sweep's fastest split counts (16 stages of 64 keys = 1k),
     and a grid of 9 requests at 4k (72 programs) is split rather than left on 72 of 132 SMs."""
     assert choose_splits(programs=128, kv_stages=16, num_sms=132) == 1  # 16 x 1k
-    assert 4 <= choose_splits(programs=8, kv_stages=16, num_sms=132) <= 8  # 1 x 1k
+    assert choose_splits(programs=8, kv_stages=16, num_sms=132) == 8  # 1 x 1k: two whole stages a split
     assert choose_splits(programs=72, kv_stages=64, num_sms=132) > 1
     assert choose_splits(programs=132, kv_stages=512, num_sms=132) == 1  # one full wave: never split
     assert choose_splits(programs=1, kv_stages=3, num_sms=132) == 1  # splits keep two stages each
