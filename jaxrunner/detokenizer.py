@@ -71,7 +71,7 @@ class IncrementalDetokenizer:
             new_token_ids = new_token_ids[:-1]
         if not new_token_ids and not finished:
             return None
-        self._window.extend(int(t) for t in new_token_ids)
+        self._window.extend(map(int, new_token_ids))
         if not self.stop and not finished:
             return None  # decoded when the text is read
         new_text = self._emit(finished)

@@ -85,18 +85,23 @@ def pack_step_buffer(
     shape: StepShape, idx_mapping: np.ndarray, num_scheduled: np.ndarray, drafts: list[list[int]],
     appends: np.ndarray, pad_slot: int,
 ) -> np.ndarray:
-    """``[slots | scheduled counts | draft counts | drafts | block-append triples]``, one int32 buffer."""
+    """``[slots | scheduled counts | draft counts | drafts | block-append triples]``, one int32 buffer.
+
+    ``drafts`` holds each request's draft tokens, or nothing when no request has any.
+    """
     r, k, n = shape.num_reqs, shape.num_spec, len(idx_mapping)
-    slots = np.full(r, pad_slot, np.int32)
+    buffer = np.zeros(shape.buffer_words, np.int32)  # each part is written through a view of it
+    slots, scheduled, num_drafts = buffer[:r], buffer[r : 2 * r], buffer[2 * r : 3 * r]
+    draft_tokens = buffer[3 * r : (3 + k) * r].reshape(r, k)
     slots[:n] = idx_mapping
-    scheduled, num_drafts = np.zeros(r, np.int32), np.zeros(r, np.int32)
+    slots[n:] = pad_slot
     scheduled[:n] = num_scheduled
-    draft_tokens = np.zeros((r, k), np.int32)
     for i, tokens in enumerate(drafts):
         if tokens:  # most rows have none: skip their (slow, small) numpy writes
             num_drafts[i] = len(tokens)
             draft_tokens[i, : len(tokens)] = tokens
-    return np.concatenate([slots, scheduled, num_drafts, draft_tokens.reshape(-1), appends.reshape(-1)])
+    buffer[(3 + k) * r :] = appends.reshape(-1)
+    return buffer
 
 
 def prepare_inputs(

@@ -154,8 +154,9 @@ class KVCacheManager:
             if grown is None:
                 return None
             req, new_blocks = grown
-        if self.enable_caching:
-            self._cache_full_blocks(req, token_ids, min(len(token_ids), num_tokens) // self.block_size)
+        num_full = min(len(token_ids), num_tokens) // self.block_size
+        if self.enable_caching and num_full > len(req.hashes):  # most steps fill no block
+            self._cache_full_blocks(req, token_ids, num_full)
         return new_blocks
 
     def _grow(

@@ -319,16 +319,18 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the last one's tokens are known."""
-        if not self.runner.use_async_scheduling:
-            return False
-        return self.structured_outputs is None or not self.structured_outputs.num_requests
+        return self.runner.use_async_scheduling and not self._has_grammars()
+
+    def _has_grammars(self) -> bool:
+        """Whether any request is constrained by a grammar (most steps have none: their work is skipped)."""
+        return self.structured_outputs is not None and self.structured_outputs.num_requests > 0
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Run the runner's step: execute_model, then sample_tokens when anything was scheduled."""
         runner_output = self.runner.execute_model(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens > 0:
             grammar = None
-            if self.structured_outputs is not None:
+            if self._has_grammars():
                 grammar = self.structured_outputs.grammar_output(list(scheduler_output.num_scheduled_tokens))
             return self.runner.sample_tokens(grammar)
         return runner_output if runner_output is not None else ModelRunnerOutput.make_empty()
@@ -346,27 +348,31 @@ class LLMEngine:
         ending: set[str] = set()  # prompts with a sequence that finished in this update
         self._record_prompt_logprobs(runner_output)
         logprob_rows = self._logprob_rows(runner_output)
+        has_grammars = self._has_grammars()
         for request, new_tokens in self.scheduler.update_from_output(scheduler_output, runner_output):
             entry, seq = self._by_request_id[request.request_id]
             if seq.logprobs is not None:
                 self._record_logprobs(seq, runner_output, logprob_rows[request.request_id][: len(new_tokens)])
-            grammar_done = self._advance_grammar(request, new_tokens)
+            grammar_done = has_grammars and self._advance_grammar(request, new_tokens)
+            finished = request.is_finished
             if seq.detokenizer is not None:
                 # A stop token id (or EOS) ends the text without its own text, as in vLLM.
-                by_token = request.status == RequestStatus.FINISHED_STOPPED and not grammar_done
-                stop_str = seq.detokenizer.update(new_tokens, finished=request.is_finished, stop_terminated=by_token)
+                by_token = finished and request.status is RequestStatus.FINISHED_STOPPED and not grammar_done
+                stop_str = seq.detokenizer.update(new_tokens, finished=finished, stop_terminated=by_token)
                 if stop_str is not None:
                     self._stop_on_string(request, stop_str)
+                    finished = request.is_finished
             touched[entry.request_id] = entry
-            if request.is_finished:
+            if finished:
                 ending.add(entry.request_id)
         if self.num_spec:
             self._propose_drafts()
         outputs = []
+        final_only, delta = output_kind == RequestOutputKind.FINAL_ONLY, output_kind == RequestOutputKind.DELTA
         for entry in touched.values():
             finished = entry.request_id in ending and entry.finished
-            if finished or output_kind != RequestOutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(entry, output_kind == RequestOutputKind.DELTA))
+            if finished or not final_only:
+                outputs.append(self._make_output(entry, delta))
             if finished:
                 self._release(entry)
         return outputs

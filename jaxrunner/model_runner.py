@@ -456,7 +456,7 @@ class ModelRunner:
         """Order the batch (decodes first), pick buckets and pack the step buffer (of one step of a round)."""
         scheduled = scheduler_output.num_scheduled_tokens
         req_ids = sorted(scheduled, key=scheduled.__getitem__)
-        num_scheduled = np.array([scheduled[r] for r in req_ids], np.int32)
+        num_scheduled = np.fromiter(map(scheduled.__getitem__, req_ids), np.int32, len(req_ids))
         slot_of = self.req_states.req_id_to_index
         slots = [slot_of.get(r) for r in req_ids]
         if None in slots:
@@ -467,12 +467,12 @@ class ModelRunner:
                 f"total_num_scheduled_tokens ({scheduler_output.total_num_scheduled_tokens}) differs "
                 f"from the sum of num_scheduled_tokens ({int(num_scheduled.sum())})."
             )
-        if np.any(num_scheduled < 1):
+        if (num_scheduled < 1).any():
             raise ValueError("Every request in num_scheduled_tokens must be scheduled at least one token.")
         computed = self.req_states.num_computed_tokens[idx_mapping]
         seq_lens = computed + num_scheduled
         steps = scheduler_output.num_decode_steps
-        if steps not in self.config.scheduler_config.decode_step_counts:
+        if steps != 1 and steps not in self.config.scheduler_config.decode_step_counts:  # 1 always is
             raise ValueError(
                 f"num_decode_steps is {steps}; this runner runs rounds of "
                 f"{self.config.scheduler_config.decode_step_counts} steps (SchedulerConfig.num_scheduler_steps)."
@@ -481,7 +481,7 @@ class ModelRunner:
             self._check_decode_round(req_ids, num_scheduled, computed, idx_mapping, scheduler_output)
             num_scheduled = np.ones_like(num_scheduled)  # one token a step
         num_tokens = int(num_scheduled.sum())
-        if np.any(seq_lens > self.max_model_len):
+        if (seq_lens > self.max_model_len).any():
             bad = req_ids[int(np.argmax(seq_lens > self.max_model_len))]
             raise ValueError(
                 f"Request {bad!r} would reach {int(seq_lens.max())} tokens, past max_model_len "
@@ -491,12 +491,7 @@ class ModelRunner:
         request_bucket = pad_to_bucket(len(req_ids), self.request_buckets, "requests")
         shape = self._step_shape(token_bucket)
         appends = self.block_tables.take_staged(shape.append_capacity)
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        drafts = [spec.get(r, []) for r in req_ids] if spec else [[]] * len(req_ids)
-        if any(len(d) > self.num_spec for d in drafts):
-            raise ValueError(
-                f"A request carries more than num_speculative_tokens ({self.num_spec}) draft tokens."
-            )
+        drafts, num_drafts = self._drafts(req_ids, scheduler_output.scheduled_spec_decode_tokens)
         buffer = pack_step_buffer(shape, idx_mapping, num_scheduled, drafts, appends, self.max_num_reqs)
         is_sampling = seq_lens >= self.req_states.prefill_len[idx_mapping]
         batch = InputBatch(
@@ -507,10 +502,23 @@ class ModelRunner:
             num_tokens_after_padding=token_bucket,
             num_reqs_after_padding=request_bucket,
             is_sampling_np=is_sampling,
-            num_drafts=np.array([len(d) for d in drafts], np.int32),
+            num_drafts=num_drafts,
             num_steps=steps,
         )
         return batch, buffer
+
+    def _drafts(self, req_ids: list[str], spec: dict[str, list[int]]) -> tuple[list[list[int]], np.ndarray]:
+        """Each request's draft tokens to verify, and their counts; no lists (and zero counts) when
+        no request has drafts, as in most steps."""
+        if not spec:
+            return [], np.zeros(len(req_ids), np.int32)
+        drafts = [spec.get(r, []) for r in req_ids]
+        num_drafts = np.array([len(d) for d in drafts], np.int32)
+        if num_drafts.max() > self.num_spec:
+            raise ValueError(
+                f"A request carries more than num_speculative_tokens ({self.num_spec}) draft tokens."
+            )
+        return drafts, num_drafts
 
     def _check_decode_round(
         self, req_ids: list[str], num_scheduled: np.ndarray, computed: np.ndarray, idx_mapping: np.ndarray,
@@ -611,7 +619,7 @@ class ModelRunner:
         sample_hidden, rows, hidden = dispatched.sample_hidden, dispatched.rows, dispatched.hidden
         bucket = batch.num_reqs_after_padding
         bitmask, active = self._grammar_rows(batch, grammar_output)
-        wants_logprobs = bool(np.any((self.req_states.num_logprobs[batch.idx_mapping_np] > 0) & batch.is_sampling_np))
+        wants_logprobs = bool(((self.req_states.num_logprobs[batch.idx_mapping_np] > 0) & batch.is_sampling_np).any())
         plain = (
             self.num_spec == 0 and not wants_logprobs and not _uses_grammar(grammar_output)
             and bool(self.req_states.plain_sampling[batch.idx_mapping_np].all())
@@ -661,6 +669,8 @@ class ModelRunner:
 
         Each entry is (position of the first prompt token predicted, its rows).
         """
+        if not self._prompt_logprob_requests:
+            return {}
         spans = []
         start = 0
         for req_id, slot, n in zip(batch.req_ids, batch.idx_mapping_np, batch.num_scheduled_tokens):
@@ -729,15 +739,23 @@ class _PendingOutput(AsyncModelRunnerOutput):
         start = time.perf_counter()
         self.tokens.block_until_ready()
         self.runner.device_wait_s += time.perf_counter() - start
-        rows = host_copy(self.tokens)[: batch.num_reqs].tolist()
-        sampled = [[t for t in row if t >= 0] if s else [] for row, s in zip(rows, batch.is_sampling_np.tolist())]
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
-            sampled_token_ids=sampled,
+            req_id_to_index=dict(zip(batch.req_ids, range(batch.num_reqs))),
+            sampled_token_ids=self._sampled_token_ids(host_copy(self.tokens)[: batch.num_reqs]),
             logprobs=None if self.logprobs is None else self._logprobs_lists(),
             prompt_logprobs_dict=self.prompt_logprobs,
         )
+
+    def _sampled_token_ids(self, rows: np.ndarray) -> list[list[int]]:
+        """Each request's sampled tokens: its row's ids (-1 pads rejected drafts), none if it did not sample.
+
+        Most steps every request samples and keeps its whole row: one ``tolist`` then.
+        """
+        is_sampling = self.batch.is_sampling_np
+        if is_sampling.all() and rows.min(initial=0) >= 0:
+            return rows.tolist()
+        return [[t for t in row if t >= 0] if s else [] for row, s in zip(rows.tolist(), is_sampling.tolist())]
 
     def _logprobs_lists(self) -> LogprobsLists:
         """Sample logprobs of the rows that sampled."""

@@ -19,6 +19,10 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH_CAPPED = "length"
     FINISHED_ABORTED = "abort"
 
+    # Members are singletons compared by identity: hash them by identity too, in C (Enum's
+    # hash runs Python to hash the name, and ``is_finished`` is asked per request and step).
+    __hash__ = object.__hash__
+
     @property
     def is_finished(self) -> bool:
         """Whether the status ends the request."""

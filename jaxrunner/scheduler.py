@@ -165,6 +165,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             if drafts:
                 spec_tokens[request.request_id] = drafts
+            self._advance_computed(request, num_new, steps)
             index += 1
 
         # Waiting requests only when nothing was preempted this step (as vLLM), and never into a round.
@@ -201,26 +202,30 @@ class Scheduler:
                 )
             )
             num_scheduled[request.request_id] = num_new
+            self._advance_computed(request, num_new, steps)
             budget -= num_new
 
-        for req_id, n in num_scheduled.items():
-            request = self.requests[req_id]
-            request.num_computed_tokens += n
-            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += steps  # the round samples its next token(s)
-        self.num_scheduled_tokens_total += sum(num_scheduled.values())
+        total_num_scheduled = sum(num_scheduled.values())
+        self.num_scheduled_tokens_total += total_num_scheduled
         self.max_num_scheduled_reqs = max(self.max_num_scheduled_reqs, len(num_scheduled))
         finished, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            total_num_scheduled_tokens=total_num_scheduled,
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
             num_decode_steps=steps,
         )
+
+    @staticmethod
+    def _advance_computed(request: Request, num_new: int, steps: int) -> None:
+        """Count a scheduled request's new tokens as computed, as soon as it is scheduled."""
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += steps  # the round samples its next token(s)
 
     def _decode_steps(self) -> int:
         """Decode steps this round may run back to back (multi-step scheduling); 1 for a single step.
@@ -232,9 +237,9 @@ class Scheduler:
         Requests whose last token is already being sampled are left out: they are not
         scheduled again.
         """
-        counts = self.config.decode_step_counts
-        if len(counts) == 1 or not self.running:
+        if self.config.num_scheduler_steps == 1 or not self.running:
             return 1
+        counts = self.config.decode_step_counts
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             return 1
         most = counts[-1]
@@ -294,12 +299,13 @@ class Scheduler:
         """
         updates = []
         now = time.monotonic()
+        steps, spec = scheduler_output.num_decode_steps, scheduler_output.scheduled_spec_decode_tokens
         for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or not sampled:
                 continue
-            request.num_output_placeholders -= scheduler_output.num_decode_steps
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            request.num_output_placeholders -= steps
+            drafts = spec.get(req_id) if spec else None
             request.spec_token_ids = []
             if drafts:
                 # Rejected drafts' KV positions are recomputed: they were never computed.
