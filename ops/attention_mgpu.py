@@ -517,12 +517,12 @@ def choose_config(
         return KernelConfig(pages_per_stage=pages, num_stages=max(2, min(4, ring_bytes // stage_bytes)),
                             num_compute_wgs=1, num_kv_splits=splits, accumulate_in_place=True)
     splits = choose_splits(tiles * num_kv_heads, -(-max_blocks_per_req // pages), num_sms)
-    if splits > 1:
-        ring_bytes -= n_wg * ROWS_PER_WG * 4  # the partial outputs' log-sum-exps
-    stages = max(2, min(3, ring_bytes // stage_bytes))
-    return KernelConfig(pages_per_stage=pages, num_stages=stages, num_compute_wgs=2, num_kv_splits=splits,
-                        compute_registers=PREFILL_COMPUTE_REGISTERS, accumulate_in_place=True, pingpong=True,
-                        longest_first=True)
+    two_stages = KernelConfig(pages_per_stage=pages, num_stages=2, num_compute_wgs=2, num_kv_splits=splits,
+                              compute_registers=PREFILL_COMPUTE_REGISTERS, accumulate_in_place=True, pingpong=True,
+                              longest_first=True)
+    three_stages = dataclasses.replace(two_stages, num_stages=3)
+    fits = program_shared_memory(three_stages, head_dim, block_size, itemsize) <= SHARED_MEMORY_BYTES
+    return three_stages if fits else two_stages
 
 
 def config_for(
