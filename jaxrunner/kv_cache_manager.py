@@ -164,8 +164,7 @@ class KVCacheManager:
     ) -> tuple[_RequestBlocks, list[int]] | None:
         """Take the computed blocks and enough free ones for ``num_tokens``; None if too few are free."""
         computed_hashes = self._verified_hashes(req, token_ids, computed) if computed else []
-        num_held = len(req.blocks) if req else 0
-        num_new = max(0, self.num_blocks_for(num_tokens, self.block_size) - num_held - len(computed))
+        num_new = max(0, self.num_blocks_to_grow(req_id, num_tokens) - len(computed))
         num_revived = sum(1 for b in computed if self._ref_counts[b] == 0)
         if num_new + num_revived > len(self._free):
             return None

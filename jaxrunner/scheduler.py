@@ -135,8 +135,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.num_output_placeholders and self._at_length_limit(request):
-                index += 1  # its last token is already being sampled
+            if self._sampling_last_token(request):
+                index += 1
                 continue
             remaining = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             num_new = min(remaining + len(request.spec_token_ids), budget)
@@ -243,7 +243,7 @@ class Scheduler:
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             return 1
         most = counts[-1]
-        decoding = [r for r in self.running if not (r.num_output_placeholders and self._at_length_limit(r))]
+        decoding = [r for r in self.running if not self._sampling_last_token(r)]
         if not decoding:
             return 1
         for request in decoding:
@@ -261,6 +261,10 @@ class Scheduler:
         computed = request.num_computed_tokens if num_computed is None else num_computed
         end = request.num_tokens + request.num_output_placeholders
         return self.num_lookahead_tokens if computed + num_new >= end else 0
+
+    def _sampling_last_token(self, request: Request) -> bool:
+        """Whether a step in flight samples the request's last token: it is not scheduled again."""
+        return request.num_output_placeholders > 0 and self._at_length_limit(request)
 
     def _at_length_limit(self, request: Request) -> bool:
         """Whether the tokens being sampled already take the request to max_tokens or max_model_len."""
