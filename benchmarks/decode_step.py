@@ -250,10 +250,12 @@ def traced_timeline(runner: ModelRunner, batch: int, context: int, steps: int, r
 
 
 def build_runner(
-    model: TransformerConfig, batches: list[int], max_context: int, steps: int, scheduler_steps: int = 1
+    model: TransformerConfig, batches: list[int], max_context: int, steps: int, scheduler_steps: int = 1,
+    compiler_options: dict | None = None,
 ) -> ModelRunner:
     """A runner on a random-weight ``model``, buckets exactly ``batches``, a random KV cache,
-    ``scheduler_steps`` decode steps per round."""
+    ``scheduler_steps`` decode steps per round, its programs compiled with ``compiler_options``
+    (None: the runner's defaults)."""
     max_batch = max(batches)
     max_model_len = max_context + steps * scheduler_steps + 16
     config = RunnerConfig(
@@ -262,7 +264,8 @@ def build_runner(
         scheduler_config=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_batch,
                                          async_scheduling=True, num_scheduler_steps=scheduler_steps),
         compilation_config=CompilationConfig(token_buckets=sorted(set(batches)),
-                                             request_buckets=sorted(set(batches))),
+                                             request_buckets=sorted(set(batches)),
+                                             compiler_options=compiler_options),
     )
     runner = ModelRunner(config)
     runner.load_model(init_random_model(model, dtype="bfloat16", seed=0))
@@ -300,6 +303,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--scheduler-steps", type=int, default=1,
                         help="decode steps per dispatch, in one program (multi-step scheduling)")
+    parser.add_argument("--compiler-options", type=json.loads, default=None,
+                        help="XLA options for the step programs as JSON ('{}': XLA's defaults; "
+                        "default: the runner's, CompilationConfig.step_compiler_options)")
     parser.add_argument("--out", default="decode_step.json")
     parser.add_argument("--profile", action="store_true", help="also record each case's kernels with CUPTI (GPU)")
     parser.add_argument("--trace", action="store_true", help="also trace each case's device timeline (GPU)")
@@ -316,7 +322,8 @@ def main() -> None:
     device = jax.devices()[0]
     floors = measure_floors(args.floor_elements)
     start = time.perf_counter()
-    runner = build_runner(SHAPES[args.shape], args.batches, max(args.contexts), args.steps, args.scheduler_steps)
+    runner = build_runner(SHAPES[args.shape], args.batches, max(args.contexts), args.steps, args.scheduler_steps,
+                          args.compiler_options)
     load_s = time.perf_counter() - start
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
     compile_s = runner.capture_model()
@@ -336,7 +343,7 @@ def main() -> None:
                 rows.append(dict(batch=batch, context=context, error=repr(exc)[:2000], memory=device_memory()))
                 print(f"batch {batch} x {context}: {rows[-1]['error'][:300]}", flush=True)
     result = dict(device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  scheduler_steps=args.scheduler_steps,
+                  scheduler_steps=args.scheduler_steps, compiler_options=runner.compiler_options,
                   weight_gb=weight_bytes / 1e9, load_s=load_s, precompile_s=compile_s,
                   programs=runner.num_compiled_programs, memory=memory, **floors, rows=rows)
     with open(args.out, "w") as f:

@@ -98,16 +98,20 @@ class CompiledPrograms:
     use; ``num_compiled`` counts the buckets compiled so far.
     """
 
-    def __init__(self, name: str, lower: Callable[[Hashable], jax.stages.Lowered]):
+    def __init__(
+        self, name: str, lower: Callable[[Hashable], jax.stages.Lowered],
+        compiler_options: dict[str, str | bool | int] | None = None,
+    ):
         self.name = name
         self._lower = lower
+        self._compiler_options = compiler_options
         self._programs: dict[Hashable, jax.stages.Compiled] = {}
 
     def get(self, bucket: Hashable) -> jax.stages.Compiled:
-        """The program for ``bucket``, lowered and compiled on first use."""
+        """The program for ``bucket``, lowered and compiled (with the ``compiler_options``) on first use."""
         program = self._programs.get(bucket)
         if program is None:
-            program = self._lower(bucket).compile()
+            program = self._lower(bucket).compile(compiler_options=self._compiler_options)
             self._programs[bucket] = program
         return program
 

@@ -26,12 +26,15 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="turn on n-gram speculative decoding with this many drafts per step")
     parser.add_argument("--token-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--request-buckets", type=int, nargs="+", default=None)
+    parser.add_argument("--compiler-options", type=json.loads, default=None,
+                        help='XLA options for the step programs as JSON, e.g. \'{"xla_gpu_enable_triton_gemm": true}\'; '
+                        "'{}' for XLA's defaults")
 
 
 def _make_llm(args: argparse.Namespace):
     from jaxrunner.llm import LLM
 
-    names = [*_ENGINE_FLAGS, "token_buckets", "request_buckets"]
+    names = [*_ENGINE_FLAGS, "token_buckets", "request_buckets", "compiler_options"]
     kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if args.num_speculative_tokens:
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}

@@ -67,7 +67,9 @@ class LLM:
     to that many decode steps per round, in one device program, while every running
     request can end only at its length limit; 1, the default, turns it off),
     ``token_buckets``,
-    ``request_buckets``, ``compilation_cache_dir``, ``max_logprobs``,
+    ``request_buckets``, ``compilation_cache_dir``, ``compiler_options`` (XLA's
+    options for the step programs; ``{}`` for XLA's defaults, see
+    ``CompilationConfig``), ``max_logprobs``,
     ``logprobs_mode`` (vLLM's: raw_logprobs, raw_logits, processed_logprobs,
     processed_logits), ``speculative_config`` (e.g. ``{"method": "ngram",
     "num_speculative_tokens": 3}``) and ``seed``.
@@ -96,6 +98,7 @@ class LLM:
         token_buckets: list[int] | None = None,
         request_buckets: list[int] | None = None,
         compilation_cache_dir: str | None = None,
+        compiler_options: dict[str, str | bool | int] | None = None,
         max_logprobs: int = 20,
         logprobs_mode: str = "raw_logprobs",
         speculative_config: SpeculativeConfig | dict | None = None,
@@ -118,7 +121,9 @@ class LLM:
         else:
             dtype = _checkpoint_dtype(model) if dtype == "auto" else dtype
             self.tokenizer = load_tokenizer(model)
-        compilation = CompilationConfig(token_buckets=token_buckets, request_buckets=request_buckets)
+        compilation = CompilationConfig(
+            token_buckets=token_buckets, request_buckets=request_buckets, compiler_options=compiler_options
+        )
         if compilation_cache_dir is not None:
             compilation.cache_dir = compilation_cache_dir
         config = RunnerConfig(

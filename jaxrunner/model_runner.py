@@ -130,6 +130,8 @@ class ModelRunner:
         self.request_buckets = make_ladder(
             config.compilation_config.request_buckets, self.max_num_reqs, "request_buckets"
         )
+        # XLA's options for the programs with the model's matmuls in them.
+        self.compiler_options = config.compilation_config.step_compiler_options
         compat.enable_persistent_compilation_cache(config.compilation_config.cache_dir)
         CompileCounter.install()
         self.model: CausalLM | None = None
@@ -230,8 +232,9 @@ class ModelRunner:
 
     def profile_run(self) -> int:
         """Activation bytes of the largest steps, from XLA's memory analysis of their programs."""
-        forward = self._lower_forward(self.token_buckets[-1], _PROFILE_NUM_BLOCKS).compile()
-        sample = self._sample_lower(self.request_buckets[-1], _PROFILE_NUM_BLOCKS).compile()
+        options = self.compiler_options
+        forward = self._lower_forward(self.token_buckets[-1], _PROFILE_NUM_BLOCKS).compile(compiler_options=options)
+        sample = self._sample_lower(self.request_buckets[-1], _PROFILE_NUM_BLOCKS).compile(compiler_options=options)
         total = 0
         for program in (forward, sample):
             analysis = program.memory_analysis()
@@ -325,10 +328,13 @@ class ModelRunner:
             max_num_reqs=self.max_num_reqs, num_spec=self.num_spec, sampler_config=self.config.sampler_config,
         )
         self._statics = statics
+        options = self.compiler_options
         self._forward_programs = CompiledPrograms(
-            "forward", lambda b: self._lower_forward(b, self.num_blocks)
+            "forward", lambda b: self._lower_forward(b, self.num_blocks), options
         )
-        self._decode_steps_programs = CompiledPrograms("decode_steps", lambda key: self._lower_decode_steps(*key))
+        self._decode_steps_programs = CompiledPrograms(
+            "decode_steps", lambda key: self._lower_decode_steps(*key), options
+        )
         # Outputs keep the inputs' layout: caches split on KV heads, everything else replicated.
         cache, whole = self.kv_cache_sharding, self.replicated
         sample_jit = jax.jit(
@@ -353,7 +359,7 @@ class ModelRunner:
         )
         # One program per (request bucket, plain path): see sample_tokens.
         self._sample_programs = CompiledPrograms(
-            "sample", lambda key: self._sample_lower(key[0], self.num_blocks, key[1])
+            "sample", lambda key: self._sample_lower(key[0], self.num_blocks, key[1]), options
         )
         # Compiled on first use: only batches with prompt-logprob requests need them.
         self._prompt_logprob_programs = CompiledPrograms(
@@ -362,6 +368,7 @@ class ModelRunner:
                 self._abstract(self._param_leaves), self._input((b, self.model_arch.hidden_size), self.model.dtype),
                 self._input((b,), jnp.int32), self._input((b,), jnp.int32),
             ),
+            options,
         )
         self._no_grammar = {
             b: jax.device_put((np.zeros((b, words), np.int32), np.zeros(b, np.bool_)), whole)

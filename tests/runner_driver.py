@@ -38,6 +38,7 @@ def make_runner(
     cache_dir: str = "",
     mesh: Mesh | None = None,
     num_scheduler_steps: int = 1,
+    compiler_options: dict | None = None,
 ) -> ModelRunner:
     """A runner with ``model`` loaded and its KV cache allocated; ``mesh`` as the model's for TP."""
     config = RunnerConfig(
@@ -48,7 +49,8 @@ def make_runner(
             num_scheduler_steps=num_scheduler_steps,
         ),
         compilation_config=CompilationConfig(
-            token_buckets=token_buckets, request_buckets=request_buckets, cache_dir=cache_dir
+            token_buckets=token_buckets, request_buckets=request_buckets, cache_dir=cache_dir,
+            compiler_options=compiler_options,
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size(mesh)),
     )

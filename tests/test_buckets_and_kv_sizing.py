@@ -3,7 +3,7 @@
 import pytest
 
 from jaxrunner.buckets import default_ladder, make_ladder, pad_to_bucket
-from jaxrunner.config import CacheConfig
+from jaxrunner.config import DEFAULT_COMPILER_OPTIONS, CacheConfig, CompilationConfig
 from jaxrunner.models import TransformerConfig, init_random_model
 from runner_driver import make_runner
 
@@ -41,3 +41,18 @@ def test_kv_cache_sized_from_budget_after_profile_run():
     runner.cache_config = CacheConfig(cpu_kv_cache_bytes=runner.kv_cache_spec.bytes_per_block)
     with pytest.raises(ValueError, match="KV cache blocks fit"):
         runner.initialize_kv_cache()
+
+
+def test_step_programs_compile_with_the_configured_xla_options():
+    assert CompilationConfig().step_compiler_options == DEFAULT_COMPILER_OPTIONS
+    assert CompilationConfig(compiler_options={}).step_compiler_options == {}
+    config = TransformerConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                               num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+    runner = make_runner(init_random_model(config), max_num_seqs=4, max_num_batched_tokens=16,
+                         token_buckets=[16], request_buckets=[4], max_model_len=128,
+                         compiler_options={"xla_no_such_option": True})
+    # The option reaches XLA, which names it: every step program is compiled with it.
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        runner.capture_model()
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        runner.profile_run()
