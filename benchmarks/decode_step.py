@@ -305,7 +305,7 @@ def main() -> None:
                         help="decode steps per dispatch, in one program (multi-step scheduling)")
     parser.add_argument("--compiler-options", type=json.loads, default=None,
                         help="XLA options for the step programs as JSON ('{}': XLA's defaults; "
-                        "default: the runner's, CompilationConfig.step_compiler_options)")
+                        "default: the runner's, by rows: CompilationConfig.step_compiler_options)")
     parser.add_argument("--out", default="decode_step.json")
     parser.add_argument("--profile", action="store_true", help="also record each case's kernels with CUPTI (GPU)")
     parser.add_argument("--trace", action="store_true", help="also trace each case's device timeline (GPU)")
@@ -343,7 +343,8 @@ def main() -> None:
                 rows.append(dict(batch=batch, context=context, error=repr(exc)[:2000], memory=device_memory()))
                 print(f"batch {batch} x {context}: {rows[-1]['error'][:300]}", flush=True)
     result = dict(device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  scheduler_steps=args.scheduler_steps, compiler_options=runner.compiler_options,
+                  scheduler_steps=args.scheduler_steps,
+                  compiler_options={batch: runner.compiler_options(batch) for batch in args.batches},
                   weight_gb=weight_bytes / 1e9, load_s=load_s, precompile_s=compile_s,
                   programs=runner.num_compiled_programs, memory=memory, **floors, rows=rows)
     with open(args.out, "w") as f:

@@ -100,7 +100,7 @@ class CompiledPrograms:
 
     def __init__(
         self, name: str, lower: Callable[[Hashable], jax.stages.Lowered],
-        compiler_options: dict[str, str | bool | int] | None = None,
+        compiler_options: Callable[[Hashable], dict[str, str | bool | int]] = lambda bucket: {},
     ):
         self.name = name
         self._lower = lower
@@ -108,10 +108,10 @@ class CompiledPrograms:
         self._programs: dict[Hashable, jax.stages.Compiled] = {}
 
     def get(self, bucket: Hashable) -> jax.stages.Compiled:
-        """The program for ``bucket``, lowered and compiled (with the ``compiler_options``) on first use."""
+        """The program for ``bucket``, lowered and compiled (with the bucket's ``compiler_options``) on first use."""
         program = self._programs.get(bucket)
         if program is None:
-            program = self._lower(bucket).compile(compiler_options=self._compiler_options)
+            program = self._lower(bucket).compile(compiler_options=self._compiler_options(bucket))
             self._programs[bucket] = program
         return program
 

@@ -27,8 +27,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--request-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--compiler-options", type=json.loads, default=None,
-                        help='XLA options for the step programs as JSON, e.g. \'{"xla_gpu_enable_triton_gemm": true}\'; '
-                        "'{}' for XLA's defaults")
+                        help="XLA options for every step program as JSON, e.g. "
+                        "'{\"xla_gpu_enable_triton_gemm\": true}'; '{}' for XLA's defaults")
 
 
 def _make_llm(args: argparse.Namespace):

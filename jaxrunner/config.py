@@ -206,7 +206,10 @@ def default_cache_dir() -> str:
 # on an H100: q/k/v at 65% of the copy rate against 88%, o 55% against 83%, down 81% against
 # 96% (``benchmarks/matmul_step.py``). XLA's autotuner times its candidates on the same
 # buffers again and again, where a 50 MB weight stays in L2; a decode step reads it from memory.
-DEFAULT_COMPILER_OPTIONS: dict[str, str | bool | int] = {"xla_gpu_enable_triton_gemm": False}
+# At one row XLA's choice is the faster (a whole batch-1 step 0.3 ms shorter), so cuBLAS
+# takes programs of at least this many rows; at prefill sizes both run alike.
+CUBLAS_MIN_ROWS = 16
+CUBLAS_GEMMS: dict[str, str | bool | int] = {"xla_gpu_enable_triton_gemm": False}
 
 
 @dataclasses.dataclass
@@ -217,8 +220,9 @@ class CompilationConfig:
     the request axis of logits and sampling; ``None`` picks a default ladder,
     dense at small sizes. ``cache_dir`` holds the persistent compilation cache
     (``""`` turns it off). ``compiler_options`` are XLA's options for every step
-    program (``jax.stages.Lowered.compile``); ``None`` takes
-    ``DEFAULT_COMPILER_OPTIONS``, ``{}`` XLA's own defaults.
+    program (``jax.stages.Lowered.compile``); ``None`` lets the program's row
+    count choose (cuBLAS for the matmuls from ``CUBLAS_MIN_ROWS`` rows), ``{}``
+    takes XLA's own defaults everywhere.
     """
 
     token_buckets: list[int] | None = None
@@ -227,10 +231,11 @@ class CompilationConfig:
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
     compiler_options: dict[str, str | bool | int] | None = None
 
-    @property
-    def step_compiler_options(self) -> dict[str, str | bool | int]:
-        """The options the step programs are compiled with."""
-        return dict(DEFAULT_COMPILER_OPTIONS if self.compiler_options is None else self.compiler_options)
+    def step_compiler_options(self, num_rows: int) -> dict[str, str | bool | int]:
+        """The options a step program over ``num_rows`` rows (tokens, or requests to sample) is compiled with."""
+        if self.compiler_options is not None:
+            return dict(self.compiler_options)
+        return dict(CUBLAS_GEMMS) if num_rows >= CUBLAS_MIN_ROWS else {}
 
     def __post_init__(self) -> None:
         for name in ("token_buckets", "request_buckets"):

@@ -3,7 +3,7 @@
 import pytest
 
 from jaxrunner.buckets import default_ladder, make_ladder, pad_to_bucket
-from jaxrunner.config import DEFAULT_COMPILER_OPTIONS, CacheConfig, CompilationConfig
+from jaxrunner.config import CUBLAS_GEMMS, CUBLAS_MIN_ROWS, CacheConfig, CompilationConfig
 from jaxrunner.models import TransformerConfig, init_random_model
 from runner_driver import make_runner
 
@@ -44,8 +44,9 @@ def test_kv_cache_sized_from_budget_after_profile_run():
 
 
 def test_step_programs_compile_with_the_configured_xla_options():
-    assert CompilationConfig().step_compiler_options == DEFAULT_COMPILER_OPTIONS
-    assert CompilationConfig(compiler_options={}).step_compiler_options == {}
+    assert CompilationConfig().step_compiler_options(CUBLAS_MIN_ROWS) == CUBLAS_GEMMS
+    assert CompilationConfig().step_compiler_options(CUBLAS_MIN_ROWS - 1) == {}
+    assert CompilationConfig(compiler_options={}).step_compiler_options(CUBLAS_MIN_ROWS) == {}
     config = TransformerConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
     runner = make_runner(init_random_model(config), max_num_seqs=4, max_num_batched_tokens=16,
