@@ -206,9 +206,10 @@ def default_cache_dir() -> str:
 # on an H100: q/k/v at 65% of the copy rate against 88%, o 55% against 83%, down 81% against
 # 96% (``benchmarks/matmul_step.py``). XLA's autotuner times its candidates on the same
 # buffers again and again, where a 50 MB weight stays in L2; a decode step reads it from memory.
-# At one row XLA's choice is the faster (a whole batch-1 step 0.3 ms shorter), so cuBLAS
-# takes programs of at least this many rows; at prefill sizes both run alike.
-CUBLAS_MIN_ROWS = 16
+# Whole decode steps on one H100 (``benchmarks/decode_step.py --compiler-options``): cuBLAS
+# 1% to 3% faster at 64 rows, XLA's choice 4% to 6% faster at 1 and 16 rows; so cuBLAS takes
+# programs of at least this many rows. At prefill sizes both run alike.
+CUBLAS_MIN_ROWS = 64
 CUBLAS_GEMMS: dict[str, str | bool | int] = {"xla_gpu_enable_triton_gemm": False}
 
 
