@@ -14,9 +14,13 @@ only), a ``jax.profiler`` trace of a further run at each case gives the
 device's whole timeline (``device_timeline.py``): copies and memsets too, and
 the idle time split into its gaps, the longest named by their neighbours.
 With ``--scheduler-steps K`` each dispatch is a round of K decode steps in one
-program (multi-step scheduling), and every time is per decode step.
+program (multi-step scheduling), and every time is per decode step. With
+``--tensor-parallel-size N`` the model and its KV cache are split over N
+devices, each reading 1/N of the bytes: the floor is the bytes over N copy
+rates, and the profile reports the all-reduces' share of the kernel time.
 
     python benchmarks/decode_step.py --out results.json
+    python benchmarks/decode_step.py --tensor-parallel-size 2 --profile --out tp2.json
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -35,10 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrunner.builtin_models import BUILTIN_MODELS
-from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
 from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from jaxrunner.model_runner import ModelRunner
 from jaxrunner.models import TransformerConfig, init_random_model
+from jaxrunner.sharding import make_mesh
 from device_timeline import (
     GRAPHS_WHILE_PROFILING_FLAG,
     device_events,
@@ -54,6 +60,8 @@ TINY = TransformerConfig(
     num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192,
 )
 SHAPES = {"llama3-8b": BUILTIN_MODELS["random-llama3-8b"], "tiny": TINY}
+# Kernel names of an all-reduce: NCCL's (ncclDevKernel_AllReduce_...) and XLA's own.
+ALL_REDUCE_KERNEL = re.compile(r"all[-_ ]?reduce", re.IGNORECASE)
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -216,7 +224,9 @@ def cupti_kernel_timings(run: Callable[[], object]) -> list[tuple[str, float]]:
 
 def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rng, top: int = 12) -> dict:
     """CUPTI's record of every kernel in ``steps`` pipelined decode steps (plus the first, which adds
-    the requests): kernels and kernel time per step, and the ``top`` kernel names by time.
+    the requests): kernels and kernel time per step, the ``top`` kernel names by time, and the
+    all-reduces' time and share of the kernel time. Under tensor parallelism the figures sum
+    every device's kernels.
 
     Kernel time is the sum of the kernels' durations: were two streams to run kernels at
     once, it would count both, so the step's time outside kernels is a lower bound.
@@ -227,8 +237,12 @@ def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rn
         by_name.setdefault(name, []).append(ms)
     executed = steps * steps_per_round(runner) + 1
     ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    kernel_ms = sum(ms for _, ms in timings)
+    all_reduce_ms = sum(ms for name, ms in timings if ALL_REDUCE_KERNEL.search(name))
     return dict(kernels_per_step=len(timings) / executed,
-                kernel_ms_per_step=sum(ms for _, ms in timings) / executed,
+                kernel_ms_per_step=kernel_ms / executed,
+                all_reduce_ms_per_step=all_reduce_ms / executed,
+                all_reduce_share=all_reduce_ms / kernel_ms if kernel_ms else 0.0,
                 top_kernels=[dict(name=name[:120], per_step=len(ms) / executed, ms_per_step=sum(ms) / executed)
                              for name, ms in ranked])
 
@@ -251,11 +265,13 @@ def traced_timeline(runner: ModelRunner, batch: int, context: int, steps: int, r
 
 def build_runner(
     model: TransformerConfig, batches: list[int], max_context: int, steps: int, scheduler_steps: int = 1,
-    compiler_options: dict | None = None,
+    compiler_options: dict | None = None, tensor_parallel_size: int = 1,
 ) -> ModelRunner:
     """A runner on a random-weight ``model``, buckets exactly ``batches``, a random KV cache,
     ``scheduler_steps`` decode steps per round, its programs compiled with ``compiler_options``
-    (None: the runner's defaults)."""
+    (None: the runner's defaults), the model split over ``tensor_parallel_size`` devices."""
+    parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    mesh = make_mesh(parallel)
     max_batch = max(batches)
     max_model_len = max_context + steps * scheduler_steps + 16
     config = RunnerConfig(
@@ -266,9 +282,10 @@ def build_runner(
         compilation_config=CompilationConfig(token_buckets=sorted(set(batches)),
                                              request_buckets=sorted(set(batches)),
                                              compiler_options=compiler_options),
+        parallel_config=parallel,
     )
-    runner = ModelRunner(config)
-    runner.load_model(init_random_model(model, dtype="bfloat16", seed=0))
+    runner = ModelRunner(config, mesh)
+    runner.load_model(init_random_model(model, dtype="bfloat16", seed=0, mesh=mesh))
     print(f"weights loaded: {json.dumps(device_memory())}", flush=True)
     runner.initialize_kv_cache()
     print(f"caches allocated: {json.dumps(device_memory())}", flush=True)
@@ -283,7 +300,8 @@ def measure_case(runner: ModelRunner, batch: int, context: int, args, rng, floor
     one_at_a_time = statistics.median(time_decode(runner, batch, context, args.steps, rng, False)[3:])
     step = statistics.median(time_decode(runner, batch, context, args.steps, rng, True)[3:])
     kv_bytes = batch * (context + 1) * runner.kv_cache_spec.bytes_per_block / runner.block_size
-    floor = (weight_bytes + kv_bytes) / floors["copy_bytes_per_s"]
+    # Each of the TP devices reads its share of the weights and KV at the copy rate.
+    floor = (weight_bytes + kv_bytes) / (floors["copy_bytes_per_s"] * args.tensor_parallel_size)
     row = dict(batch=batch, context=context, step_ms=step * 1e3, floor_ms=floor * 1e3, ratio=step / floor,
                tokens_per_s=batch / step, one_at_a_time_ms=one_at_a_time * 1e3, memory=device_memory())
     if args.profile:
@@ -306,6 +324,8 @@ def main() -> None:
     parser.add_argument("--compiler-options", type=json.loads, default=None,
                         help="XLA options for the step programs as JSON ('{}': XLA's defaults; "
                         "default: the runner's, by rows: CompilationConfig.step_compiler_options)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split the model over this many devices (the floor divides by it)")
     parser.add_argument("--out", default="decode_step.json")
     parser.add_argument("--profile", action="store_true", help="also record each case's kernels with CUPTI (GPU)")
     parser.add_argument("--trace", action="store_true", help="also trace each case's device timeline (GPU)")
@@ -323,7 +343,7 @@ def main() -> None:
     floors = measure_floors(args.floor_elements)
     start = time.perf_counter()
     runner = build_runner(SHAPES[args.shape], args.batches, max(args.contexts), args.steps, args.scheduler_steps,
-                          args.compiler_options)
+                          args.compiler_options, args.tensor_parallel_size)
     load_s = time.perf_counter() - start
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
     compile_s = runner.capture_model()
@@ -343,7 +363,7 @@ def main() -> None:
                 rows.append(dict(batch=batch, context=context, error=repr(exc)[:2000], memory=device_memory()))
                 print(f"batch {batch} x {context}: {rows[-1]['error'][:300]}", flush=True)
     result = dict(device=device.device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  scheduler_steps=args.scheduler_steps,
+                  scheduler_steps=args.scheduler_steps, tensor_parallel_size=args.tensor_parallel_size,
                   compiler_options={batch: runner.compiler_options(batch) for batch in args.batches},
                   weight_gb=weight_bytes / 1e9, load_s=load_s, precompile_s=compile_s,
                   programs=runner.num_compiled_programs, memory=memory, **floors, rows=rows)
@@ -351,7 +371,8 @@ def main() -> None:
         json.dump(result, f, indent=2)
     print(f"device {device.device_kind}, jax {jax.__version__}, weights {weight_bytes / 1e9:.2f} GB, "
           f"load {load_s:.0f} s, precompile {compile_s:.0f} s ({runner.num_compiled_programs} programs)")
-    print(f"copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {floors['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    print(f"copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {floors['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s "
+          f"(one device); tensor parallel size {args.tensor_parallel_size}")
     print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'ratio':>6} {'tok/s':>8} {'1-at-a-time ms':>14}")
     for r in rows:
         if "error" in r:
@@ -362,7 +383,9 @@ def main() -> None:
         if "profile" in r:
             prof = r["profile"]
             print(f"batch {r['batch']} x {r['context']}: {prof['kernels_per_step']:.0f} kernels, "
-                  f"{prof['kernel_ms_per_step']:.2f} ms in kernels of a {r['step_ms']:.2f} ms step")
+                  f"{prof['kernel_ms_per_step']:.2f} ms in kernels of a {r['step_ms']:.2f} ms step "
+                  f"(TP {args.tensor_parallel_size}: all devices), all-reduces {prof['all_reduce_ms_per_step']:.3f} "
+                  f"ms ({100 * prof['all_reduce_share']:.1f}% of the kernel time)")
             for k in prof["top_kernels"]:
                 print(f"  {k['ms_per_step']:7.3f} ms  x{k['per_step']:<5.0f} {k['name']}")
         if "timeline" in r:

@@ -10,8 +10,10 @@ from jaxrunner.kv_cache import KVCacheSpec, determine_num_blocks
 from jaxrunner.models import TransformerConfig, init_random_model
 from jaxrunner.sharding import kv_cache_sharding, make_mesh
 from packed_batch import packed_metadata
+from runner_driver import make_runner
 from test_attention_reference import Case, _check, _run
 from test_model_parity import jitted_step, pack, random_prompts
+from test_sharding import CONFIG, RUNNER_SHAPE, run_greedy, tp_mesh
 
 pytestmark = pytest.mark.gpu
 
@@ -65,3 +67,20 @@ def test_tensor_parallel_logits_on_two_gpus():
         logits[tp] = np.asarray(out, np.float32)[:381]
     assert np.isfinite(logits[2]).all()
     assert np.linalg.norm(logits[2] - logits[1]) / np.linalg.norm(logits[1]) < 2e-2
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_greedy_equals_one_gpu(tp):
+    """Continuous batching with chunked prefill, float32 at full matmul precision: TP greedy tokens
+    equal one GPU's on the same machine."""
+    if len(jax.devices("gpu")) < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    prompts = random_prompts(CONFIG.vocab_size, [5, 37, 17, 16, 1, 30], seed=7)
+    greedy = {}
+    with jax.default_matmul_precision("float32"):
+        for size in (1, tp):
+            mesh = tp_mesh(size)
+            runner = make_runner(init_random_model(CONFIG, seed=1, mesh=mesh), mesh=mesh, **RUNNER_SHAPE)
+            greedy[size] = run_greedy(runner, prompts)
+    assert len(greedy[1]) == len(prompts) and all(len(tokens) == 20 for tokens in greedy[1].values())
+    assert greedy[tp] == greedy[1]
