@@ -59,7 +59,7 @@ TINY = TransformerConfig(
     vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2,
     num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=8192,
 )
-SHAPES = {"llama3-8b": BUILTIN_MODELS["random-llama3-8b"], "tiny": TINY}
+SHAPES = {"llama3-8b": BUILTIN_MODELS["random-llama3-8b"], "llama3-70b": BUILTIN_MODELS["random-llama3-70b"], "tiny": TINY}
 # Kernel names of an all-reduce: NCCL's (ncclDevKernel_AllReduce_...) and XLA's own.
 ALL_REDUCE_KERNEL = re.compile(r"all[-_ ]?reduce", re.IGNORECASE)
 

@@ -16,6 +16,17 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _llama3(*, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int) -> TransformerConfig:
+    """A Llama-3.1 shape: 8 KV heads of 128, the 128k vocabulary, RoPE scaled to 128k positions."""
+    return TransformerConfig(
+        vocab_size=128256, hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                       original_max_position_embeddings=8192),
+        max_position_embeddings=131072,
+    )
+
+
 BUILTIN_MODELS: dict[str, TransformerConfig] = {
     # Llama-shaped with GQA; the vocabulary is the byte tokenizer's 259 ids padded to 320,
     # as real checkpoints pad theirs: ids 259..319 are never produced by the tokenizer.
@@ -30,17 +41,13 @@ BUILTIN_MODELS: dict[str, TransformerConfig] = {
         rms_norm_eps=1e-5,
         max_position_embeddings=2048,
     ),
-    # Llama-3-8B's exact shape with random weights: for benchmarks on a GPU.
-    "random-llama3-8b": TransformerConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                       original_max_position_embeddings=8192),
-        max_position_embeddings=131072,
-    ),
+    # Llama-3.1-8B's and -70B's exact shapes with random weights: for benchmarks on GPUs
+    # (70B in bf16 is 141 GB: tensor parallelism over 2+ H200s or 4 H100s).
+    "random-llama3-8b": _llama3(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32),
+    "random-llama3-70b": _llama3(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64),
 }
 # The dtype "auto" picks: float32 for the tiny model (exact tests), bf16 at real size.
-DEFAULT_DTYPES = {"tiny-llama": "float32", "random-llama3-8b": "bfloat16"}
+DEFAULT_DTYPES = {"tiny-llama": "float32", "random-llama3-8b": "bfloat16", "random-llama3-70b": "bfloat16"}
 
 
 def is_builtin(name: str) -> bool:

@@ -8,12 +8,16 @@ BPE with byte fallback, whose decoder drops a leading space.
 import json
 import random
 
+import jax
+import jax.numpy as jnp
 import pytest
 import transformers
+from flax import nnx
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from jaxrunner.builtin_models import BUILTIN_MODELS, is_builtin, load_builtin
+from jaxrunner.builtin_models import BUILTIN_MODELS, DEFAULT_DTYPES, is_builtin, load_builtin
 from jaxrunner.detokenizer import IncrementalDetokenizer
+from jaxrunner.models import CausalLM
 from jaxrunner.tokenizer import (
     BOS_ID, BYTE_OFFSET, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, load_tokenizer,
 )
@@ -345,3 +349,12 @@ def test_full_text_holds_back_the_stop_buffer(byte_tok):
     assert detok.get_next_output_text(finished=False, delta=False) == "ab"
     assert detok.get_next_output_text(finished=True, delta=False) == "abcST"
     assert IncrementalDetokenizer(byte_tok, [], stop=["STOP"], include_stop_str_in_output=True).stop_buffer_length == 0
+
+
+@pytest.mark.parametrize("name, params", [("random-llama3-8b", 8_030_261_248), ("random-llama3-70b", 70_553_706_496)])
+def test_builtin_llama3_shapes_have_the_published_parameter_counts(name, params):
+    """Built abstractly (no memory): the counts of Llama-3.1-8B's and -70B's checkpoints."""
+    config = BUILTIN_MODELS[name]
+    model = nnx.eval_shape(lambda: CausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == params
+    assert DEFAULT_DTYPES[name] == "bfloat16"
