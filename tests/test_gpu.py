@@ -13,7 +13,7 @@ from packed_batch import packed_metadata
 from runner_driver import make_runner
 from test_attention_reference import Case, _check, _run
 from test_model_parity import jitted_step, pack, random_prompts
-from test_sharding import CONFIG, RUNNER_SHAPE, run_greedy, tp_mesh
+from test_sharding import CONFIG, GREEDY_PROMPTS, RUNNER_SHAPE, run_greedy, tp_mesh
 
 pytestmark = pytest.mark.gpu
 
@@ -75,12 +75,11 @@ def test_tensor_parallel_greedy_equals_one_gpu(tp):
     equal one GPU's on the same machine."""
     if len(jax.devices("gpu")) < tp:
         pytest.skip(f"needs {tp} GPUs")
-    prompts = random_prompts(CONFIG.vocab_size, [5, 37, 17, 16, 1, 30], seed=7)
     greedy = {}
     with jax.default_matmul_precision("float32"):
         for size in (1, tp):
             mesh = tp_mesh(size)
             runner = make_runner(init_random_model(CONFIG, seed=1, mesh=mesh), mesh=mesh, **RUNNER_SHAPE)
-            greedy[size] = run_greedy(runner, prompts)
-    assert len(greedy[1]) == len(prompts) and all(len(tokens) == 20 for tokens in greedy[1].values())
+            greedy[size] = run_greedy(runner, GREEDY_PROMPTS)
+    assert len(greedy[1]) == len(GREEDY_PROMPTS) and all(len(tokens) == 20 for tokens in greedy[1].values())
     assert greedy[tp] == greedy[1]

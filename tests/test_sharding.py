@@ -170,10 +170,7 @@ def test_logits_equal_unsharded_and_each_device_reads_its_slice(tp, checkpoint, 
     assert err < 1e-5
 
 
-@pytest.fixture(scope="module")
-def greedy_prompts():
-    rng = np.random.default_rng(7)
-    return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (5, 37, 17, 16, 1, 30)]
+GREEDY_PROMPTS = random_prompts(CONFIG.vocab_size, [5, 37, 17, 16, 1, 30], seed=7)
 
 
 def run_greedy(runner, prompts) -> dict[str, list[int]]:
@@ -187,17 +184,17 @@ RUNNER_SHAPE = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=[8,
 
 
 @pytest.fixture(scope="module")
-def unsharded_greedy(greedy_prompts):
-    return run_greedy(make_runner(init_random_model(CONFIG, seed=1), **RUNNER_SHAPE), greedy_prompts)
+def unsharded_greedy():
+    return run_greedy(make_runner(init_random_model(CONFIG, seed=1), **RUNNER_SHAPE), GREEDY_PROMPTS)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_runner_greedy_equals_unsharded_with_no_compile_after_capture(tp, greedy_prompts, unsharded_greedy):
+def test_runner_greedy_equals_unsharded_with_no_compile_after_capture(tp, unsharded_greedy):
     mesh = tp_mesh(tp)
     runner = make_runner(init_random_model(CONFIG, seed=1, mesh=mesh), mesh=mesh, **RUNNER_SHAPE)
     runner.capture_model()
     compiled = CompileCounter.count()
-    assert run_greedy(runner, greedy_prompts) == unsharded_greedy
+    assert run_greedy(runner, GREEDY_PROMPTS) == unsharded_greedy
     assert CompileCounter.count() == compiled
     k_cache = runner.kv_caches[0][0]
     assert k_cache.sharding.spec == P(None, None, MODEL_AXIS, None)
