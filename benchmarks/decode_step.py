@@ -39,10 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrunner.builtin_models import BUILTIN_MODELS
+from jaxrunner.models.builtin import BUILTIN_MODELS
 from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
 from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from jaxrunner.model_runner import ModelRunner
+from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.models import TransformerConfig, init_random_model
 from jaxrunner.sharding import make_mesh
 from device_timeline import (

@@ -313,8 +313,8 @@ def startup_worker(args: argparse.Namespace) -> dict:
     """Import, build the engine, and generate one token; the seconds of each phase and the programs compiled."""
     start = time.perf_counter()
     from jaxrunner import LLM, SamplingParams
-    from jaxrunner.buckets import CompileCounter
-    from jaxrunner.model_runner import ModelRunner
+    from jaxrunner.runner.buckets import CompileCounter
+    from jaxrunner.runner.model_runner import ModelRunner
 
     imported = time.perf_counter()
     phases = record_seconds(ModelRunner, ["load_model", "initialize_kv_cache", "capture_model"])

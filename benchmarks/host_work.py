@@ -21,9 +21,9 @@ import json
 import time
 
 from jaxrunner import LLM, SamplingParams
-from jaxrunner.llm_engine import LLMEngine
-from jaxrunner.model_runner import ModelRunner, _PendingOutput
-from jaxrunner.scheduler import Scheduler
+from jaxrunner.engine.llm_engine import LLMEngine
+from jaxrunner.runner.model_runner import ModelRunner, _PendingOutput
+from jaxrunner.engine.scheduler import Scheduler
 
 # The engine's parts whose host time the breakdown reports, by (class, method).
 PARTS = [

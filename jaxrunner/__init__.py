@@ -6,7 +6,7 @@ prefer_async_gpu_dispatch()  # before anything starts JAX's GPU backend
 prefer_kernel_launches_to_cuda_graphs()
 
 from jaxrunner.interfaces import SamplingParams  # noqa: E402
-from jaxrunner.llm import LLM  # noqa: E402
-from jaxrunner.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from jaxrunner.engine.llm import LLM  # noqa: E402
+from jaxrunner.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

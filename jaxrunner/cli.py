@@ -32,7 +32,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _make_llm(args: argparse.Namespace):
-    from jaxrunner.llm import LLM
+    from jaxrunner.engine.llm import LLM
 
     names = [*_ENGINE_FLAGS, "token_buckets", "request_buckets", "compiler_options"]
     kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
@@ -78,7 +78,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def _bench(args: argparse.Namespace) -> None:
     from jaxrunner.interfaces import SamplingParams
-    from jaxrunner.kv_cache_manager import PrefixCacheStats
+    from jaxrunner.engine.kv_cache_manager import PrefixCacheStats
 
     llm = _make_llm(args)
     rng = np.random.default_rng(args.workload_seed)

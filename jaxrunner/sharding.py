@@ -7,11 +7,10 @@ features (row parallel), the embedding and lm_head by vocabulary, and norms are
 replicated. ``data`` holds ``data_parallel_size`` such groups, one independent
 engine replica per row.
 
-Every parameter names its logical axes (``PARAM_LOGICAL_AXES``, keyed by module
-and leaf name) and ``ShardingRules`` maps logical axes to mesh axes, so a layout
-is one table to read. XLA's SPMD partitioner inserts the collectives the
+Every parameter names its logical axes (``jaxrunner.models.partitioning``) and
+``ShardingRules`` maps logical axes to mesh axes, so a layout is one table to read. XLA's SPMD partitioner inserts the collectives the
 shardings imply; the KV write and attention run per KV-head shard under
-``shard_map`` (``ops/sharded_attention.py``).
+``shard_map`` (``models/sharded_attention.py``).
 
 The mesh is built from ``jax.devices()``, every process's devices: after
 ``jax.distributed.initialize`` (``jaxrunner/launch.py``) the same code lays
@@ -22,17 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxrunner.config import ParallelConfig
-
-if TYPE_CHECKING:
-    from jaxrunner.models.transformer import TransformerConfig
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
@@ -55,26 +49,6 @@ class ShardingRules:
 
 
 RULES = ShardingRules()
-
-_LINEAR_AXES = {  # a Linear's kernel is [in, out...]; its bias [out...]
-    "qkv_proj": ("embed", "kv_heads", None, "head_dim"),  # [in, kv heads, group + 2, head dim]
-    "o_proj": ("q_heads", "embed"),
-    "gate_up_proj": ("embed", None, "mlp"),  # [in, 2, intermediate]
-    "down_proj": ("mlp", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "fc": (None, "embed"),  # EAGLE's projection of (token embedding, feature)
-}
-_NORM_AXES = {
-    "input_layernorm": "embed", "post_attention_layernorm": "embed", "norm": "embed",
-    "q_norm": "head_dim", "k_norm": "head_dim",
-}
-PARAM_LOGICAL_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
-    ("embed_tokens", "embedding"): ("vocab", "embed"),
-    **{(name, "kernel"): axes for name, axes in _LINEAR_AXES.items()},
-    **{(name, "bias"): axes[1:] for name, axes in _LINEAR_AXES.items()},
-    **{(name, "weight"): (axis,) for name, axis in _NORM_AXES.items()},
-}
-"""Logical axes of every parameter, by (module name, leaf name)."""
 
 KV_CACHE_LOGICAL_AXES = (None, None, "kv_heads", "head_dim")
 """``[num_blocks, block_size, num_kv_heads, head_dim]``: each device holds its KV heads of every block."""
@@ -129,46 +103,6 @@ def tensor_parallel_size(mesh: Mesh | None) -> int:
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     """The vocabulary rounded up to a multiple of ``tp``, so that every device holds an equal slice."""
     return -(-vocab_size // tp) * tp
-
-
-def check_tensor_parallel(config: TransformerConfig, tp: int) -> None:
-    """Raise ValueError, saying what to change, when ``config`` cannot be split over ``tp`` devices."""
-    kv_heads, features = config.num_kv_heads, config.intermediate_size
-    valid = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0 and features % d == 0]
-    if kv_heads % tp:
-        replication = (
-            "; replicating KV heads over devices (tensor_parallel_size > num_kv_heads) is not supported"
-            if tp > kv_heads else ""
-        )
-        raise ValueError(
-            f"tensor_parallel_size {tp} does not divide the model's num_kv_heads ({kv_heads}): every "
-            f"device holds whole KV heads{replication}. Use a tensor_parallel_size in {valid}."
-        )
-    if features % tp:
-        raise ValueError(
-            f"tensor_parallel_size {tp} does not divide the model's intermediate_size ({features}): the "
-            f"MLP's features are split evenly over the devices. Use a tensor_parallel_size in {valid}."
-        )
-
-
-def logical_axes(path: tuple) -> tuple[str | None, ...]:
-    """The logical axes of the parameter at ``path`` (an nnx path such as ``(..., "qkv_proj", "kernel")``)."""
-    key = (str(path[-2]), str(path[-1]))
-    if key not in PARAM_LOGICAL_AXES:
-        raise ValueError(
-            f"No sharding rule for parameter {'.'.join(map(str, path))}; add {key} to PARAM_LOGICAL_AXES."
-        )
-    return PARAM_LOGICAL_AXES[key]
-
-
-def param_sharding(mesh: Mesh, path: tuple, rules: ShardingRules = RULES) -> NamedSharding:
-    """The sharding of the parameter at ``path`` on ``mesh``."""
-    return NamedSharding(mesh, rules.spec(logical_axes(path)))
-
-
-def param_shardings(mesh: Mesh, params: nnx.State, rules: ShardingRules = RULES) -> nnx.State:
-    """A state of ``NamedSharding``s, one per parameter: a prefix of ``params`` for jit and device_put."""
-    return nnx.map_state(lambda path, _: param_sharding(mesh, path, rules), params)
 
 
 def kv_cache_sharding(mesh: Mesh, rules: ShardingRules = RULES) -> NamedSharding:

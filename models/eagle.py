@@ -14,9 +14,9 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from jaxrunner.models.transformer import KVCache, TransformerConfig, decoder_layers, run_layers
+from jaxrunner.models.transformer import KVCache, TransformerConfig, check_tensor_parallel, decoder_layers, run_layers
 from jaxrunner.ops import AttentionMetadata
-from jaxrunner.sharding import check_tensor_parallel, tensor_parallel_size
+from jaxrunner.sharding import tensor_parallel_size
 
 
 class EagleHead(nnx.Module):

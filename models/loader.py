@@ -29,7 +29,8 @@ from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.registry import model_class
 from jaxrunner.models.safetensors_io import CheckpointError, checkpoint_files, iter_tensors
 from jaxrunner.models.transformer import CausalLM, MergedProjection, TransformerConfig
-from jaxrunner.sharding import logical_axes, make_mesh, param_sharding, param_shardings
+from jaxrunner.sharding import make_mesh
+from jaxrunner.models.partitioning import logical_axes, param_sharding, param_shardings
 
 _HF_LEAF_NAMES = {"kernel": "weight", "embedding": "weight"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved

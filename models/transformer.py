@@ -30,8 +30,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float, Int
 
-from jaxrunner.ops import AttentionMetadata, write_and_attend
-from jaxrunner.sharding import RULES, check_tensor_parallel, padded_vocab_size, replicated, tensor_parallel_size
+from jaxrunner.models.sharded_attention import write_and_attend
+from jaxrunner.ops import AttentionMetadata
+from jaxrunner.sharding import RULES, padded_vocab_size, replicated, tensor_parallel_size
 
 KVCache = tuple[Array, Array]
 """One layer's ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
@@ -359,6 +360,26 @@ def run_layers(
         x, kv_cache = layer(x, cos, sin, kv_cache, metadata)
         new_caches.append(kv_cache)
     return x, new_caches
+
+
+def check_tensor_parallel(config: TransformerConfig, tp: int) -> None:
+    """Raise ValueError, saying what to change, when ``config`` cannot be split over ``tp`` devices."""
+    kv_heads, features = config.num_kv_heads, config.intermediate_size
+    valid = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0 and features % d == 0]
+    if kv_heads % tp:
+        replication = (
+            "; replicating KV heads over devices (tensor_parallel_size > num_kv_heads) is not supported"
+            if tp > kv_heads else ""
+        )
+        raise ValueError(
+            f"tensor_parallel_size {tp} does not divide the model's num_kv_heads ({kv_heads}): every "
+            f"device holds whole KV heads{replication}. Use a tensor_parallel_size in {valid}."
+        )
+    if features % tp:
+        raise ValueError(
+            f"tensor_parallel_size {tp} does not divide the model's intermediate_size ({features}): the "
+            f"MLP's features are split evenly over the devices. Use a tensor_parallel_size in {valid}."
+        )
 
 
 class CausalLM(nnx.Module):

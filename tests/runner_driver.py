@@ -21,7 +21,7 @@ from jaxrunner.config import (
     SchedulerConfig,
 )
 from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from jaxrunner.model_runner import ModelRunner
+from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.sharding import tensor_parallel_size
 
 

@@ -11,8 +11,8 @@ import transformers
 from hf_models import save_tiny_hf_model
 from jaxrunner.cli import main as cli_main
 from jaxrunner.interfaces import SamplingParams
-from jaxrunner.llm import LLM
-from jaxrunner.tokenizer import build_byte_tokenizer
+from jaxrunner.engine.llm import LLM
+from jaxrunner.models.tokenizer import build_byte_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LADDERS = dict(token_buckets=[8, 32, 64], request_buckets=[2, 8])
@@ -70,7 +70,7 @@ def test_greedy_outputs_identical_across_caching_chunking_and_preemption(make_ll
 
 def _dispatch_order(llm, monkeypatch) -> list[str]:
     """Records "D" when the runner dispatches a step and "R" when a step's tokens are read."""
-    from jaxrunner import model_runner
+    from jaxrunner.runner import model_runner
 
     events = []
     runner = llm.llm_engine.runner

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxrunner.config import CacheConfig, ParallelConfig
-from jaxrunner.kv_cache import KVCacheSpec, determine_num_blocks
+from jaxrunner.runner.kv_cache import KVCacheSpec, determine_num_blocks
 from jaxrunner.models import TransformerConfig, init_random_model
 from jaxrunner.sharding import kv_cache_sharding, make_mesh
 from packed_batch import packed_metadata

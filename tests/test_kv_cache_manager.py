@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from jaxrunner.kv_cache_manager import NULL_BLOCK, KVCacheManager
+from jaxrunner.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager
 
 BS = 4
 

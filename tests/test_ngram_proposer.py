@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxrunner.spec_decode.ngram_proposer import NgramProposer
+from jaxrunner.engine.ngram_proposer import NgramProposer
 
 
 def reference_propose(

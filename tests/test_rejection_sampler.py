@@ -12,8 +12,8 @@ from jaxrunner.config import SamplerConfig
 from jaxrunner.sample.gumbel import gumbel_from_hash, murmur3_hash32
 from jaxrunner.sample.sampler import sample
 from jaxrunner.sample.sampling_state import SamplingArrays
-from jaxrunner.spec_decode import rejection_sampler
-from jaxrunner.spec_decode.rejection_sampler import rejection_sample
+from jaxrunner.sample import rejection_sampler
+from jaxrunner.sample.rejection_sampler import rejection_sample
 
 K, V = 3, 10
 MASKED = 7  # a token the target forbids at every row

@@ -15,12 +15,12 @@ from scipy import stats
 from hf_models import save_tiny_hf_model
 from jaxrunner.config import SamplerConfig
 from jaxrunner.interfaces import NewRequestData, SamplingParams
-from jaxrunner.llm import LLM
+from jaxrunner.engine.llm import LLM
 from jaxrunner.sample.sampler import sample, stage_rows
 from jaxrunner.sample.sampling_state import SamplingArrays, pack_sampling_params, uses_sampling_stages
-from jaxrunner.states import DeviceState, RequestState, write_new_requests
-from jaxrunner.structured_outputs import StructuredOutputsParams
-from jaxrunner.tokenizer import build_byte_tokenizer
+from jaxrunner.runner.states import DeviceState, RequestState, write_new_requests
+from jaxrunner.engine.structured_outputs import StructuredOutputsParams
+from jaxrunner.models.tokenizer import build_byte_tokenizer
 
 
 @pytest.fixture(scope="module")

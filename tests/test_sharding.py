@@ -23,14 +23,14 @@ from runner_driver import HandScheduler, make_runner
 from test_attention_reference import Case, _make_inputs
 from test_model_parity import jitted_step, pack, random_caches, random_prompts, rel_err
 
-from jaxrunner.buckets import CompileCounter
+from jaxrunner.runner.buckets import CompileCounter
 from jaxrunner.compat import mosaic_gpu_interpreter_on_several_devices
 from jaxrunner.config import CacheConfig, ParallelConfig
 from jaxrunner.interfaces import SamplingParams
-from jaxrunner.llm import LLM
+from jaxrunner.engine.llm import LLM
 from jaxrunner.models import TransformerConfig, init_random_model, load_model
 from jaxrunner.models import loader
-from jaxrunner.ops import write_and_attend
+from jaxrunner.models.sharded_attention import write_and_attend
 from jaxrunner.sharding import MODEL_AXIS, kv_cache_sharding, make_mesh, replica_meshes
 
 pytestmark = pytest.mark.skipif(

@@ -5,9 +5,9 @@ import transformers
 import pytest
 
 from hf_models import save_tiny_hf_model
-from jaxrunner.buckets import CompileCounter
+from jaxrunner.runner.buckets import CompileCounter
 from jaxrunner.interfaces import SamplingParams
-from jaxrunner.llm import LLM
+from jaxrunner.engine.llm import LLM
 from jaxrunner.models import TransformerConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -85,7 +85,7 @@ def save_tiny_eagle_head(path, seed: int = 0) -> None:
     """A random EAGLE head for the built-in tiny model, saved as an HF-style checkpoint."""
     from safetensors.numpy import save_file
 
-    from jaxrunner.builtin_models import BUILTIN_MODELS
+    from jaxrunner.models.builtin import BUILTIN_MODELS
     from jaxrunner.models.eagle import init_random_eagle_head
     from jaxrunner.models.loader import hf_tensors
 

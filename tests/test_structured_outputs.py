@@ -17,8 +17,8 @@ import pytest
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from jaxrunner.structured_outputs import StructuredOutputManager, StructuredOutputsParams
-from jaxrunner.tokenizer import BYTE_VOCAB_SIZE, EOS_ID, build_byte_tokenizer
+from jaxrunner.engine.structured_outputs import StructuredOutputManager, StructuredOutputsParams
+from jaxrunner.models.tokenizer import BYTE_VOCAB_SIZE, EOS_ID, build_byte_tokenizer
 
 PERSON = {
     "type": "object",

@@ -15,10 +15,10 @@ import transformers
 from flax import nnx
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from jaxrunner.builtin_models import BUILTIN_MODELS, DEFAULT_DTYPES, is_builtin, load_builtin
-from jaxrunner.detokenizer import IncrementalDetokenizer
+from jaxrunner.models.builtin import BUILTIN_MODELS, DEFAULT_DTYPES, is_builtin, load_builtin
+from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.models import CausalLM
-from jaxrunner.tokenizer import (
+from jaxrunner.models.tokenizer import (
     BOS_ID, BYTE_OFFSET, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, load_tokenizer,
 )
 

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrunner.config import SamplerConfig
-from jaxrunner.input_batch import SampleRows, StepShape, post_update, prepare_inputs
+from jaxrunner.runner.input_batch import SampleRows, StepShape, post_update, prepare_inputs
 from jaxrunner.sample.logprobs import compute_logprobs
 from jaxrunner.sample.sampler import prepare_logits, sample
-from jaxrunner.spec_decode.rejection_sampler import rejection_sample
+from jaxrunner.sample.rejection_sampler import rejection_sample
 
 
 @dataclasses.dataclass(frozen=True)

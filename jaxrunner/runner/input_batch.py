@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from jaxrunner.block_table import apply_block_appends, compute_slot_mapping
+from jaxrunner.runner.block_table import apply_block_appends, compute_slot_mapping
 from jaxrunner.ops import AttentionMetadata
-from jaxrunner.states import DeviceState
+from jaxrunner.runner.states import DeviceState
 
 
 @dataclasses.dataclass(frozen=True)

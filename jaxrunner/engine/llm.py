@@ -11,7 +11,7 @@ import jax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jaxrunner.builtin_models import DEFAULT_DTYPES, is_builtin
+from jaxrunner.models.builtin import DEFAULT_DTYPES, is_builtin
 from jaxrunner.config import (
     CacheConfig,
     CompilationConfig,
@@ -22,15 +22,15 @@ from jaxrunner.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from jaxrunner.data_parallel import DataParallelEngines
+from jaxrunner.engine.data_parallel import DataParallelEngines
 from jaxrunner.interfaces import RequestOutputKind, SamplingParams
-from jaxrunner.kv_cache_manager import KVCacheManager
-from jaxrunner.llm_engine import LLMEngine
-from jaxrunner.model_runner import ModelRunner
-from jaxrunner.outputs import RequestOutput
-from jaxrunner.scheduler import Scheduler
+from jaxrunner.engine.kv_cache_manager import KVCacheManager
+from jaxrunner.engine.llm_engine import LLMEngine
+from jaxrunner.runner.model_runner import ModelRunner
+from jaxrunner.engine.outputs import RequestOutput
+from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.sharding import make_mesh, replica_meshes
-from jaxrunner.tokenizer import build_byte_tokenizer, load_tokenizer
+from jaxrunner.models.tokenizer import build_byte_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

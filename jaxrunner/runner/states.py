@@ -18,7 +18,7 @@ from jaxtyping import Array, Int
 
 from jaxrunner.config import SamplerConfig
 from jaxrunner.interfaces import NewRequestData
-from jaxrunner.packed_rows import RowLayout
+from jaxrunner.runner.packed_rows import RowLayout
 from jaxrunner.sample.sampling_state import (
     SamplingArrays,
     pack_sampling_params,

@@ -31,10 +31,10 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxrunner import compat
-from jaxrunner.block_table import BlockTables
-from jaxrunner.buckets import CompiledPrograms, CompileCounter, make_ladder, pad_to_bucket
+from jaxrunner.runner.block_table import BlockTables
+from jaxrunner.runner.buckets import CompiledPrograms, CompileCounter, make_ladder, pad_to_bucket
 from jaxrunner.config import ParallelConfig, RunnerConfig
-from jaxrunner.input_batch import (
+from jaxrunner.runner.input_batch import (
     InputBatch,
     SampleRows,
     StepShape,
@@ -48,7 +48,7 @@ from jaxrunner.interfaces import (
     SamplingParams,
     SchedulerOutput,
 )
-from jaxrunner.kv_cache import (
+from jaxrunner.runner.kv_cache import (
     KVCacheSpec,
     KVCaches,
     allocate_kv_caches,
@@ -57,27 +57,20 @@ from jaxrunner.kv_cache import (
 )
 from jaxrunner.models import CausalLM, TransformerConfig
 from jaxrunner.models.loader import load_eagle_head
-from jaxrunner import step_functions
+from jaxrunner.runner import step_functions
 from jaxrunner.sample.logprobs import LogprobsTensors
-from jaxrunner.spec_decode.draft_model import DraftModel
-from jaxrunner.spec_decode.eagle import EagleDrafter
-from jaxrunner.step_functions import StepStatics
+from jaxrunner.runner.spec_decode.draft_model import DraftModel
+from jaxrunner.runner.spec_decode.eagle import EagleDrafter
+from jaxrunner.runner.step_functions import StepStatics
 from jaxrunner.sample.sampling_state import (
     bitmask_words,
     check_logprobs_count,
     pack_sampling_params,
     uses_sampling_stages,
 )
-from jaxrunner.sharding import (
-    host_copy,
-    kv_cache_sharding,
-    make_mesh,
-    min_over_processes,
-    param_shardings,
-    replicated,
-    tensor_parallel_size,
-)
-from jaxrunner.states import DeviceState, RequestState, write_new_requests
+from jaxrunner.sharding import host_copy, kv_cache_sharding, make_mesh, min_over_processes, replicated, tensor_parallel_size
+from jaxrunner.models.partitioning import param_shardings
+from jaxrunner.runner.states import DeviceState, RequestState, write_new_requests
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +219,7 @@ class ModelRunner:
 
     def _load_named(self, name: str) -> CausalLM:
         """A checkpoint directory's model, or a built-in's with random weights from the engine's seed."""
-        from jaxrunner.builtin_models import load_named_model
+        from jaxrunner.models.builtin import load_named_model
 
         return load_named_model(name, dtype=self.model_config.dtype, seed=self.model_config.seed, mesh=self.mesh)
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrunner.block_table import compute_slot_mapping
-from jaxrunner.kv_cache import KVCaches, KVCacheSpec
+from jaxrunner.runner.block_table import compute_slot_mapping
+from jaxrunner.runner.kv_cache import KVCaches, KVCacheSpec
 from jaxrunner.models import CausalLM
 from jaxrunner.ops import AttentionMetadata
 

@@ -12,8 +12,8 @@ import itertools
 from collections.abc import Sequence
 
 from jaxrunner.interfaces import RequestOutputKind, SamplingParams
-from jaxrunner.llm_engine import LLMEngine
-from jaxrunner.outputs import RequestOutput
+from jaxrunner.engine.llm_engine import LLMEngine
+from jaxrunner.engine.outputs import RequestOutput
 
 
 class DataParallelEngines:

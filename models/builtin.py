@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 from jaxrunner.models import CausalLM, TransformerConfig, init_random_model, load_model
 from jaxrunner.models.transformer import Llama3RopeScaling
-from jaxrunner.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+from jaxrunner.models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 
 
 def _round_up(n: int, multiple: int) -> int:

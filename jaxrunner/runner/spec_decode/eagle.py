@@ -14,11 +14,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrunner.kv_cache import KVCaches
+from jaxrunner.runner.kv_cache import KVCaches
 from jaxrunner.models import CausalLM
 from jaxrunner.models.eagle import EagleHead
 from jaxrunner.ops import AttentionMetadata
-from jaxrunner.spec_decode.draft_model import DeviceDrafter, decode_drafts
+from jaxrunner.runner.spec_decode.draft_model import DeviceDrafter, decode_drafts
 
 
 class EagleDrafter(DeviceDrafter):

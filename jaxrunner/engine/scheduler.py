@@ -19,8 +19,8 @@ from collections.abc import Iterable
 
 from jaxrunner.config import SchedulerConfig
 from jaxrunner.interfaces import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from jaxrunner.kv_cache_manager import KVCacheManager
-from jaxrunner.request import Request, RequestStatus
+from jaxrunner.engine.kv_cache_manager import KVCacheManager
+from jaxrunner.engine.request import Request, RequestStatus
 
 
 @dataclasses.dataclass

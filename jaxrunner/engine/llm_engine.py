@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from jaxrunner.detokenizer import IncrementalDetokenizer
+from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.interfaces import (
     AsyncModelRunnerOutput,
     ModelRunnerOutput,
@@ -20,12 +20,12 @@ from jaxrunner.interfaces import (
     SamplingParams,
     SchedulerOutput,
 )
-from jaxrunner.model_runner import ModelRunner
-from jaxrunner.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxrunner.request import Request, RequestStatus
-from jaxrunner.scheduler import Scheduler
-from jaxrunner.spec_decode.ngram_proposer import NgramProposer
-from jaxrunner.structured_outputs import StructuredOutputManager
+from jaxrunner.runner.model_runner import ModelRunner
+from jaxrunner.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxrunner.engine.request import Request, RequestStatus
+from jaxrunner.engine.scheduler import Scheduler
+from jaxrunner.engine.ngram_proposer import NgramProposer
+from jaxrunner.engine.structured_outputs import StructuredOutputManager
 
 
 @dataclasses.dataclass

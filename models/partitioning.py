@@ -1,0 +1,52 @@
+"""The logical axes of every model parameter, and the parameters' shardings on a mesh.
+
+``jaxrunner.sharding.ShardingRules`` maps these logical axes to mesh axes.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrunner.sharding import RULES, ShardingRules
+
+_LINEAR_AXES = {  # a Linear's kernel is [in, out...]; its bias [out...]
+    "qkv_proj": ("embed", "kv_heads", None, "head_dim"),  # [in, kv heads, group + 2, head dim]
+    "o_proj": ("q_heads", "embed"),
+    "gate_up_proj": ("embed", None, "mlp"),  # [in, 2, intermediate]
+    "down_proj": ("mlp", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "fc": (None, "embed"),  # EAGLE's projection of (token embedding, feature)
+}
+_NORM_AXES = {
+    "input_layernorm": "embed", "post_attention_layernorm": "embed", "norm": "embed",
+    "q_norm": "head_dim", "k_norm": "head_dim",
+}
+PARAM_LOGICAL_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
+    ("embed_tokens", "embedding"): ("vocab", "embed"),
+    **{(name, "kernel"): axes for name, axes in _LINEAR_AXES.items()},
+    **{(name, "bias"): axes[1:] for name, axes in _LINEAR_AXES.items()},
+    **{(name, "weight"): (axis,) for name, axis in _NORM_AXES.items()},
+}
+"""Logical axes of every parameter, by (module name, leaf name)."""
+
+def logical_axes(path: tuple) -> tuple[str | None, ...]:
+    """The logical axes of the parameter at ``path`` (an nnx path such as ``(..., "qkv_proj", "kernel")``)."""
+    key = (str(path[-2]), str(path[-1]))
+    if key not in PARAM_LOGICAL_AXES:
+        raise ValueError(
+            f"No sharding rule for parameter {'.'.join(map(str, path))}; add {key} to PARAM_LOGICAL_AXES."
+        )
+    return PARAM_LOGICAL_AXES[key]
+
+
+def param_sharding(mesh: Mesh, path: tuple, rules: ShardingRules = RULES) -> NamedSharding:
+    """The sharding of the parameter at ``path`` on ``mesh``."""
+    return NamedSharding(mesh, rules.spec(logical_axes(path)))
+
+
+def param_shardings(mesh: Mesh, params: nnx.State, rules: ShardingRules = RULES) -> nnx.State:
+    """A state of ``NamedSharding``s, one per parameter: a prefix of ``params`` for jit and device_put."""
+    return nnx.map_state(lambda path, _: param_sharding(mesh, path, rules), params)
+
+
