@@ -8,9 +8,8 @@ from jaxrunner.compat import is_hopper, mosaic_gpu_interpreter_off_gpu
 from jaxrunner.ops.kv_write_mgpu import Cache, NewKV, kernel_supports, write_kv_mgpu
 
 KERNEL_MIN_TOKENS = 1024
-"""Fewest tokens for which the automatic choice takes the kernel. On the H200 (Llama-3-8B cache,
-``attention_step.py --kv-write``) it wrote 8192 tokens 3.6x faster than XLA's scatter (48 vs 171 us);
-at 1-256 tokens the two were within 10 us of each other, each ahead at some size."""
+"""Fewest tokens for which the automatic choice takes the kernel: it wins clearly only at prefill-sized
+writes, and below them neither implementation is reliably ahead (``benchmarks/decisions/kv_write_threshold.md``)."""
 
 
 def pick_kv_write_impl(num_tokens: int, k_cache: Cache, forced: str | None) -> str:

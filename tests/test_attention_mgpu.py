@@ -59,6 +59,8 @@ def _kernel_vs_reference(case: Case, seed: int, config: KernelConfig | None, tol
     ],
     ids=["f32-mixed", "f32-odd-2wg", "bf16-split-window-cap"],
 )
+# No ping-pong case: one CI run of it under the Mosaic GPU interpreter hung (it passes elsewhere). The GPU tests
+# run it through the table's prefill configs, and the CUDA lowering test below covers it.
 def test_interpreted_kernel_matches_reference(case, config, tol):
     _kernel_vs_reference(case, seed=3, config=config, tol=tol, interpret=mosaic_gpu_interpreter())
 

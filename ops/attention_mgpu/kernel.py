@@ -1,0 +1,346 @@
+"""The ragged paged attention kernel body for Mosaic GPU (Pallas) on NVIDIA Hopper, and its launch.
+
+One program owns one (KV split, tile, kv head) of the :mod:`schedule`'s tiles; each
+compute warpgroup holds 64 rows of the tile and all walk the same KV stages.
+
+* KV pipeline. A producer warpgroup reads the request's block table from GMEM and
+  issues one TMA copy per cache page (``[block_size, head_dim]`` of one kv head) into
+  a ``num_stages``-deep ring of shared-memory stages of ``pages_per_stage`` pages;
+  compute warpgroups run ``Q K^T`` and ``P V`` on the tensor cores (wgmma) with an
+  online softmax in registers, and release each stage through an mbarrier.
+* Masks. Only the stages that cross a row's causal edge or window edge compute a
+  mask; the stages every row sees whole skip it.
+* Flash decoding. With ``num_kv_splits > 1`` each tile's KV range is cut into that
+  many contiguous stage ranges, each written as a partial output (in q's dtype)
+  with its log-sum-exp, for the wrapper to combine.
+
+Outputs go to a tile-major buffer: every tile writes whole 64-row blocks, so no
+program writes another's rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxtyping import Array, Float, Int
+
+from jaxrunner.ops.attention_mgpu.schedule import KV_END, KV_START, NUM_ROWS, Q_POS0, REQ, ROW_OFFSET
+from jaxrunner.ops.attention_mgpu.tuning import ROWS_PER_WG, KernelConfig
+
+COPY_REGISTERS = 40
+"""Registers per thread left to the copy warpgroup when compute warpgroups take more."""
+
+MASKED = -1e30
+"""Score of a masked key (log2 domain): finite, so fully masked rows never make NaN."""
+
+LOG2_E = math.log2(math.e)
+
+
+def _kernel_body(
+    sched_ref,
+    block_tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    out_ref,
+    lse_ref,
+    *,
+    config: KernelConfig,
+    group: int,
+    block_size: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    interpreted: bool,
+):
+    """One program: (split, tile, kv head). Warpgroups ``0..n-1`` compute, ``n`` copies."""
+    head_dim = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    n_wg = config.num_compute_wgs
+    pages = config.pages_per_stage
+    stages = config.num_stages
+    stage_keys = pages * block_size
+    max_blocks = block_tables_ref.shape[1]
+
+    if interpreted:  # the interpreter takes no layout hints
+        iota = functools.partial(lax.broadcasted_iota, jnp.int32)
+        wgmma_layout = lambda x: x
+    else:
+        iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
+        wgmma_layout = _wgmma_layout
+
+    split = lax.axis_index("split")
+    tile = lax.axis_index("tile")
+    if config.longest_first:
+        tile = sched_ref.shape[0] - 1 - tile
+    kv_head = lax.axis_index("kv_head")
+    req = sched_ref[tile, REQ]
+    num_rows = sched_ref[tile, NUM_ROWS]
+    kv_start = sched_ref[tile, KV_START]
+    kv_end = sched_ref[tile, KV_END]
+
+    first_stage = kv_start // stage_keys
+    end_stage = (kv_end + stage_keys - 1) // stage_keys
+    per_split = (end_stage - first_stage + config.num_kv_splits - 1) // config.num_kv_splits
+    lo = jnp.minimum(first_stage + split * per_split, end_stage)
+    hi = jnp.minimum(lo + per_split, end_stage)
+    num_steps = jnp.where(num_rows > 0, hi - lo, 0)
+
+    # Stages every row of the tile sees whole (no causal or window mask): [full_lo, full_hi).
+    first_pos = sched_ref[tile, Q_POS0] + sched_ref[tile, ROW_OFFSET] // group
+    full_hi = jnp.clip((first_pos + 1) // stage_keys, lo, hi)
+    full_lo = lo
+    if sliding_window:
+        full_lo = jnp.clip((kv_end - sliding_window + stage_keys - 1) // stage_keys, lo, full_hi)
+
+    def scoped(q_smem, lse_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, turn):
+        wg = lax.axis_index("wg")
+
+        def rendezvous():
+            """Both compute warpgroups meet; offset by one meeting, they alternate."""
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        @pl.when(wg < n_wg)
+        def _compute():
+            if config.compute_registers:
+                plgpu.set_max_registers(config.compute_registers, action="increase")
+            row0 = tile * config.tile_rows + wg * ROWS_PER_WG
+            plgpu.copy_gmem_to_smem(q_ref.at[kv_head, pl.ds(row0, ROWS_PER_WG)], q_smem.at[wg], q_bar.at[wg])
+            row_max = wgmma_layout(jnp.full((ROWS_PER_WG,), MASKED, jnp.float32))
+            row_sum = wgmma_layout(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32))
+            acc = wgmma_layout(jnp.zeros((ROWS_PER_WG, head_dim), jnp.float32))
+            plgpu.barrier_wait(q_bar.at[wg])
+
+            def visible(stage):
+                """Causal (and window) mask of one stage's keys for this warpgroup's rows."""
+                rows = iota((ROWS_PER_WG, stage_keys), 0)
+                k_pos = stage * stage_keys + iota((ROWS_PER_WG, stage_keys), 1)
+                row_in_req = sched_ref[tile, ROW_OFFSET] + wg * ROWS_PER_WG + rows
+                q_pos = sched_ref[tile, Q_POS0] + row_in_req // group
+                seen = k_pos <= q_pos
+                if sliding_window:
+                    seen &= k_pos > q_pos - sliding_window
+                return seen
+
+            def step(stage, carry, masked: bool):
+                acc, row_max, row_sum = carry
+                slot = lax.rem(stage - lo, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                s = _scores(q_smem.at[wg], k_smem.at[slot], interpreted, rendezvous if config.pingpong else None)
+                plgpu.barrier_arrive(k_free.at[slot])
+                if soft_cap:
+                    s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2_E)
+                else:
+                    s = s * (sm_scale * LOG2_E)
+                if masked:
+                    s = jnp.where(visible(stage), s, MASKED)
+                row_max_new = jnp.maximum(row_max, s.max(axis=1))
+                alpha = jnp.exp2(row_max - row_max_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(row_max_new, s.shape, [0]))
+                row_sum = row_sum * alpha + p.sum(axis=1)
+                if config.pingpong:  # softmax done; P V waits for the tensor cores' turn
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_wait(turn)
+                else:
+                    plgpu.barrier_wait(v_bar.at[slot])
+                acc = _accumulate_values(
+                    acc, alpha, p.astype(dtype), v_smem.at[slot], config.accumulate_in_place, interpreted
+                )
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, row_max_new, row_sum
+
+            carry = (acc, row_max, row_sum)
+            end = jnp.where(num_rows > 0, hi, lo)
+            bounds = (lo, jnp.minimum(full_lo, end), jnp.minimum(full_hi, end), end)
+            if config.pingpong:
+                pl.when(wg == 1)(rendezvous)  # warpgroup 0 goes first
+            for (a, b), masked in zip(zip(bounds[:-1], bounds[1:]), (True, False, True)):
+                carry = lax.fori_loop(a, b, functools.partial(step, masked=masked), carry)
+            if config.pingpong:
+                pl.when(wg == 0)(rendezvous)  # and meets warpgroup 1's last turn
+            acc, row_max, row_sum = carry
+            row_sum_safe = jnp.maximum(row_sum, 1e-30)
+            q_smem.at[wg][...] = (acc / lax.broadcast_in_dim(row_sum_safe, acc.shape, [0])).astype(dtype)
+            if lse_smem is not None:
+                lse_smem.at[wg][...] = row_max + jnp.log2(row_sum_safe)
+            plgpu.commit_smem()
+            out_row = tile * config.tile_rows + wg * ROWS_PER_WG
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], out_ref.at[split, kv_head, pl.ds(out_row, ROWS_PER_WG)])
+            if lse_smem is not None:
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, kv_head, pl.ds(out_row, ROWS_PER_WG)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == n_wg)
+        def _copy():
+            if config.compute_registers:
+                plgpu.set_max_registers(COPY_REGISTERS, action="decrease")
+
+            def page_ids(i):
+                """Cache pages of the tile's stage ``i``: read from the block table once for K and V."""
+                return [
+                    jnp.maximum(block_tables_ref[req, jnp.minimum((lo + i) * pages + p, max_blocks - 1)], 0)
+                    for p in range(pages)
+                ]
+
+            def issue(i, ids):
+                slot = lax.rem(i, stages)
+                for cache, smem, bar in ((k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)):
+                    for p, page in enumerate(ids):
+                        dst = pl.ds(p * block_size, block_size)
+                        plgpu.copy_gmem_to_smem(cache.at[page, :, kv_head], smem.at[slot, dst], bar.at[slot])
+
+            for i in range(stages):
+                pl.when(i < num_steps)(lambda i=i: issue(i, page_ids(i)))
+
+            @pl.loop(0, jnp.maximum(num_steps - stages, 0))
+            def _refill(i):
+                ids = page_ids(i + stages)  # the table reads overlap the wait for a free slot
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+                issue(i + stages, ids)
+
+            # Observe the last releases too, so every barrier phase is waited on once.
+            @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+            def _drain(i):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+    tiled = _smem_transforms(dtype)
+    pl.run_scoped(
+        scoped,
+        plgpu.SMEM((n_wg, ROWS_PER_WG, head_dim), dtype, transforms=tiled),
+        plgpu.SMEM((n_wg, ROWS_PER_WG), jnp.float32) if lse_ref is not None else None,
+        plgpu.SMEM((stages, stage_keys, head_dim), dtype, transforms=tiled),
+        plgpu.SMEM((stages, stage_keys, head_dim), dtype, transforms=tiled),
+        plgpu.Barrier(num_barriers=n_wg),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=n_wg) if config.pingpong else None,
+        collective_axes="wg",
+    )
+
+
+# The interpreter's wgmma takes neither transposed nor register operands; it computes
+# a plain float32 matmul anyway, so under it both products come from the loaded tiles.
+
+
+def _scores(q_smem, k_smem, interpreted: bool, after_issue=None) -> Float[Array, "rows keys"]:
+    """``Q K^T`` in float32 on the tensor cores (wgmma, K transposed in shared memory).
+
+    ``after_issue`` runs while the matmul is in flight, before its result is read.
+    """
+    if interpreted:
+        scores = jnp.dot(q_smem[...], k_smem[...].T, preferred_element_type=jnp.float32)
+        if after_issue:
+            after_issue()
+        return scores
+
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+        if after_issue:
+            after_issue()
+        return acc_ref[...]
+
+    return pl.run_scoped(qk, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
+
+
+def _accumulate_values(
+    acc: Float[Array, "rows head_dim"],
+    alpha: Float[Array, " rows"],
+    p: Float[Array, "rows keys"],
+    v_smem,
+    in_place: bool,
+    interpreted: bool,
+) -> Float[Array, "rows head_dim"]:
+    """``acc * alpha + P V`` in float32 on the tensor cores (P from registers, V in shared memory)."""
+    scale = lax.broadcast_in_dim(alpha, acc.shape, [0])
+    if interpreted:
+        return acc * scale + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_smem)
+
+    if in_place:
+        return pl.run_state(pv)(plgpu.ACC.init(acc * scale))
+
+    def fresh(acc_ref):
+        pv(acc_ref)
+        return acc_ref[...]
+
+    pv_out = pl.run_scoped(fresh, plgpu.ACC((p.shape[0], v_smem.shape[1]), jnp.float32))
+    return acc * scale + pv_out
+
+
+def _wgmma_layout(x: Array) -> Array:
+    """Pin a row vector (or a row-major tile) to the layout of wgmma accumulators' rows."""
+    layout = plgpu.Layout.WGMMA.reduce(1) if x.ndim == 1 else plgpu.Layout.WGMMA
+    return plgpu.layout_cast(x, layout)
+
+
+def _smem_transforms(dtype) -> tuple:
+    """128-byte swizzled tiles of 8 rows: the shared-memory layout wgmma and TMA want."""
+    swizzle = 128
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def launch_kernel(
+    schedule_fields: Int[Array, "num_tiles 8"],
+    block_tables: Int[Array, "num_reqs max_blocks_per_req"],
+    q_tiles: Float[Array, "num_kv_heads tile_major_rows head_dim"],
+    k_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
+    v_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
+    *,
+    config: KernelConfig,
+    group: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    interpret=None,
+) -> list[Array]:
+    """The kernel alone: tile-major partial outputs ``[num_kv_splits, num_kv_heads, tile_major_rows, head_dim]``
+    and, with splits, their log-sum-exps ``[num_kv_splits, num_kv_heads, tile_major_rows]`` (log2 domain)."""
+    num_kv_heads, out_rows, head_dim = q_tiles.shape
+    num_tiles = out_rows // config.tile_rows
+    splits = config.num_kv_splits
+    out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), q_tiles.dtype)]
+    if splits > 1:
+        out_type.append(jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows), jnp.float32))
+    body = functools.partial(
+        _kernel_body,
+        config=config,
+        group=group,
+        block_size=k_cache.shape[1],
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpreted=interpret is not None,
+    )
+
+    def entry(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref=None):
+        body(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref)
+
+    # The last grid axis varies fastest in launch order (Mosaic GPU makes it CUDA's x).
+    axes = {"split": splits, "tile": num_tiles, "kv_head": num_kv_heads}
+    order = ("split", "kv_head", "tile") if config.longest_first else ("split", "tile", "kv_head")
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=tuple(axes[name] for name in order),
+        grid_names=order,
+        num_threads=config.num_compute_wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+    )(schedule_fields, block_tables, q_tiles, k_cache, v_cache)

@@ -1,0 +1,106 @@
+"""The kernel's tile schedule: which query rows each program owns, and the gathers into and out of tiles.
+
+For kv head ``h`` the ``group = num_q_heads // num_kv_heads`` query heads that read it
+are laid out token-major as rows ``t * group + g``, so all heads of one KV head share
+every K/V page read (GQA), and a decode of one token still fills ``group`` rows of the
+tensor-core tile. Every request's ``q_len * group`` rows are cut into tiles of
+``tile_rows`` rows (a request's last tile may be short), gathered tile-major so that
+every tile starts on a tile boundary: TMA copies into tiled shared memory need
+8-row-aligned starts, which a request's first row (``query_start * group``) need not be.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxrunner.ops.attention_metadata import AttentionMetadata
+
+REQ, Q_ROW, NUM_ROWS, ROW_OFFSET, Q_POS0, KV_START, KV_END = range(7)
+"""Columns of :attr:`TileSchedule.fields`."""
+
+
+class TileSchedule(NamedTuple):
+    """Per tile (a grid index): the int32 fields the kernel reads, as ``[num_tiles, 8]``.
+
+    Columns: request, first q row (in the ``[num_tokens * group]`` row space), valid rows,
+    the tile's first row within its request, the request's first query position,
+    first and end key position, and one unused.
+    """
+
+    fields: Int[Array, "num_tiles 8"]
+    tile_start: Int[Array, " num_reqs"]
+    """First tile of each request, to map rows back to their tiles."""
+
+
+def num_tiles_bound(num_tokens: int, num_reqs: int, group: int, tile_rows: int) -> int:
+    """Most tiles ``num_reqs`` requests sharing ``num_tokens`` tokens can need."""
+    return min(num_tokens * group, (num_tokens * group + num_reqs * (tile_rows - 1)) // tile_rows)
+
+
+def tile_schedule(
+    metadata: AttentionMetadata,
+    group: int,
+    tile_rows: int,
+    num_tiles: int,
+    sliding_window: int | None,
+) -> TileSchedule:
+    """Cut each request's ``q_len * group`` rows into tiles; unused tiles get 0 rows."""
+    qsl = metadata.query_start_loc
+    num_reqs = metadata.seq_lens.shape[0]
+    q_len = qsl[1:] - qsl[:-1]
+    tiles_per_req = (q_len * group + tile_rows - 1) // tile_rows
+    tiles_end = jnp.cumsum(tiles_per_req)
+    tile_start = (tiles_end - tiles_per_req).astype(jnp.int32)
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    req = jnp.searchsorted(tiles_end, tile, side="right", method="compare_all")
+    req = jnp.minimum(req, num_reqs - 1).astype(jnp.int32)
+    row_offset = (tile - tile_start[req]) * tile_rows
+    num_rows = jnp.where(tile < tiles_end[-1], jnp.clip(q_len[req] * group - row_offset, 0, tile_rows), 0)
+    q_pos0 = metadata.seq_lens[req] - q_len[req]
+    first_pos = q_pos0 + row_offset // group
+    kv_end = jnp.where(num_rows > 0, q_pos0 + (row_offset + num_rows - 1) // group + 1, 0)
+    kv_start = jnp.zeros_like(kv_end)
+    if sliding_window:
+        kv_start = jnp.maximum(first_pos - sliding_window + 1, 0)
+    q_row = jnp.where(num_rows > 0, qsl[req] * group + row_offset, 0)  # unused tiles gather row 0
+    fields = jnp.stack(
+        [req, q_row, num_rows, row_offset, q_pos0, kv_start, kv_end, jnp.zeros_like(req)], axis=1
+    ).astype(jnp.int32)
+    return TileSchedule(fields, tile_start)
+
+
+def tile_major_queries(
+    q: Float[Array, "num_tokens num_q_heads head_dim"], schedule: TileSchedule, num_kv_heads: int, tile_rows: int
+) -> Float[Array, "num_kv_heads tile_major_rows head_dim"]:
+    """q as ``[num_kv_heads, num_tiles * tile_rows, head_dim]``, each tile's rows starting at a tile
+    boundary; rows past a tile's valid ones are zero."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    fields = schedule.fields
+    r = jnp.arange(tile_rows, dtype=jnp.int32)[None, :]
+    row = fields[:, Q_ROW, None] + r
+    valid = r < fields[:, NUM_ROWS, None]
+    token = jnp.where(valid, row // group, 0).reshape(-1)
+    head_in_group = jnp.where(valid, row % group, 0).reshape(-1)
+    grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    rows = grouped[token, :, head_in_group]  # [num_tiles * tile_rows, num_kv_heads, head_dim]
+    rows = jnp.where(valid.reshape(-1)[:, None, None], rows, 0)
+    return rows.transpose(1, 0, 2)
+
+
+def output_row_index(
+    metadata: AttentionMetadata, schedule: TileSchedule, num_tokens: int, group: int, tile_rows: int
+) -> tuple[Int[Array, "num_tokens group"], Bool[Array, " num_tokens"]]:
+    """Index of each (token, head-in-group) row in the tile-major output, and token validity."""
+    qsl = metadata.query_start_loc
+    num_reqs = metadata.seq_lens.shape[0]
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    req = jnp.minimum(jnp.searchsorted(qsl[1:], token, side="right", method="compare_all"), num_reqs - 1)
+    row_in_req = (token - qsl[req])[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]
+    tile = schedule.tile_start[req][:, None] + row_in_req // tile_rows
+    index = tile * tile_rows + row_in_req % tile_rows
+    valid = token < qsl[-1]
+    return jnp.where(valid[:, None], index, 0), valid

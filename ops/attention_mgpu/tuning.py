@@ -1,0 +1,202 @@
+"""The kernel's static launch parameters and the table that picks them from a call's shapes.
+
+:class:`KernelConfig` holds stage and ring sizes, compute warpgroups, KV splits and three
+schedule switches; :func:`choose_config` is the tuning table, :func:`choose_splits` its
+model of how many ways to split each tile's KV range, and :func:`kernel_supports` the
+cases the kernel takes at all. The sweeps behind the table's choices are in
+``benchmarks/attention_step.py --sweep`` and ``benchmarks/decisions/kv_splits.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jaxrunner.ops.attention_metadata import AttentionMetadata
+from jaxrunner.ops.attention_mgpu.schedule import num_tiles_bound
+
+ROWS_PER_WG = 64
+"""Query rows per compute warpgroup: the M of one wgmma."""
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SHARED_MEMORY_BYTES = (227 - 3) * 1024
+"""Shared memory for a program's queries, ring and log-sum-exps: Hopper's 227 KiB a block, less
+3 KiB for the barriers and scratch the compiler allocates beside them."""
+PREFILL_COMPUTE_REGISTERS = 232
+"""Registers per thread for each of two compute warpgroups (the copy warpgroup keeps 40)."""
+MIN_STAGES_PER_SPLIT = 2
+"""A split shorter than this costs more in per-program setup and combining than it gains
+(``benchmarks/decisions/kv_splits.md``)."""
+PROGRAM_SETUP_STAGES = 2.0
+"""A program's fixed cost (queries in, pipeline fill, output out), in stages of streaming time
+(fitted: ``benchmarks/decisions/kv_splits.md``)."""
+SPLIT_COMBINE_STAGES = 0.35
+"""What each further split adds to the combine, in stages of streaming time
+(fitted: ``benchmarks/decisions/kv_splits.md``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static tuning of one kernel launch."""
+
+    pages_per_stage: int
+    """Cache pages copied per pipeline stage (the stage's keys: pages x block_size)."""
+    num_stages: int
+    """Stages in flight in the shared-memory ring."""
+    num_compute_wgs: int
+    """Compute warpgroups per program (1 or 2); a tile holds 64 rows per warpgroup."""
+    num_kv_splits: int
+    """Programs sharing one tile's KV range (flash decoding); 1 for no split."""
+    compute_registers: int | None = None
+    """Registers per thread the compute warpgroups take from the copy warpgroup
+    (``setmaxnreg``; the copy warpgroup drops to ``kernel.COPY_REGISTERS``); None leaves
+    the compiler's even split."""
+    accumulate_in_place: bool = False
+    """Rescale the output accumulator and let ``P V`` accumulate into it (one
+    accumulator live instead of two)."""
+    pingpong: bool = False
+    """With two compute warpgroups, take turns on the tensor cores: one runs its
+    softmax while the other's matmuls run."""
+    longest_first: bool = False
+    """Launch each kv head's tiles last to first, one kv head after another (the default
+    launches each tile's kv heads together, first tile first): a request's later tiles
+    see more keys (causal), so the last wave holds short programs instead of the longest."""
+
+    def __post_init__(self):
+        if self.pingpong and self.num_compute_wgs != 2:
+            raise ValueError(f"pingpong needs two compute warpgroups, got {self.num_compute_wgs}")
+
+    @property
+    def tile_rows(self) -> int:
+        """Query rows per tile: 64 per compute warpgroup."""
+        return ROWS_PER_WG * self.num_compute_wgs
+
+
+def choose_splits(programs: int, kv_stages: int, num_sms: int) -> int:
+    """KV splits that minimise the modelled time of a grid of ``programs`` (tiles x kv heads)
+    streaming ``kv_stages`` each: waves of one program per SM, each wave as long as its
+    longest program (a split streams whole stages: the ceiling of its share) plus its fixed
+    cost, plus the combine. A grid that already fills the SMs once is not split: it reads
+    its KV at the copy rate unsplit. The sweeps it reproduces: ``benchmarks/decisions/kv_splits.md``.
+    """
+    if programs >= num_sms:
+        return 1
+    most = max(kv_stages // MIN_STAGES_PER_SPLIT, 1)
+
+    def modelled_time(splits: int) -> float:
+        waves = -(-programs * splits // num_sms)
+        return waves * (-(-kv_stages // splits) + PROGRAM_SETUP_STAGES) + SPLIT_COMBINE_STAGES * splits
+
+    return min(range(1, most + 1), key=modelled_time)
+
+
+def program_shared_memory(config: KernelConfig, head_dim: int, block_size: int, itemsize: int) -> int:
+    """Shared-memory bytes of one program's queries, K/V ring and (when split) log-sum-exps,
+    the part ``SHARED_MEMORY_BYTES`` bounds."""
+    queries = config.num_compute_wgs * ROWS_PER_WG * head_dim * itemsize
+    ring = config.num_stages * config.pages_per_stage * block_size * 2 * head_dim * itemsize
+    lse = config.num_compute_wgs * ROWS_PER_WG * 4 if config.num_kv_splits > 1 else 0
+    return queries + ring + lse
+
+
+def kernel_supports(dtype, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel runs this case on a GPU: 16-bit caches, its head dims, pages that tile
+    a stage of a multiple of 64 keys (8-row-aligned, and either dividing 64 or a multiple of it),
+    and room in shared memory for the smallest split prefill program (two stages of one such stage each)."""
+    smallest_prefill = KernelConfig(
+        pages_per_stage=max(64 // block_size, 1), num_stages=2, num_compute_wgs=2, num_kv_splits=2
+    )
+    return (
+        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and head_dim in SUPPORTED_HEAD_DIMS
+        and block_size % 8 == 0
+        and (64 % block_size == 0 or block_size % 64 == 0)
+        and program_shared_memory(smallest_prefill, head_dim, block_size, jnp.dtype(dtype).itemsize)
+        <= SHARED_MEMORY_BYTES
+    )
+
+
+def choose_config(
+    num_tokens: int,
+    num_reqs: int,
+    group: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_blocks_per_req: int,
+    itemsize: int,
+    num_sms: int = 132,
+) -> KernelConfig:
+    """The tuning table: static shapes -> launch parameters.
+
+    Decode-like batches (at most 64 query rows per request) use one compute
+    warpgroup, 64-key stages in a ring of about 96 KiB (two programs can share an
+    SM) and in-place ``P V`` accumulation; KV splits by :func:`choose_splits`, over the
+    stages of the longest possible request (the block table's width).
+
+    Prefills use two compute warpgroups in ping-pong with the register split and
+    in-place accumulation, tiles launched longest first, and 128-key stages in as many
+    as three ring stages as shared memory holds beside the queries.
+
+    Each of these switches was the faster side of its sweep on the GPU
+    (``benchmarks/RESULTS.md``: "The tuning table's neighbours" for decode,
+    "Prefill schedule swept by device time" for prefill).
+    """
+    decode_like = num_tokens * group <= num_reqs * ROWS_PER_WG
+    n_wg = 1 if decode_like else 2
+    key_bytes = 2 * head_dim * itemsize  # one key's K and V
+    query_bytes = n_wg * ROWS_PER_WG * head_dim * itemsize
+    ring_bytes = 96 * 1024 if decode_like else SHARED_MEMORY_BYTES - query_bytes
+    # Keys per stage: a multiple of 64 (the K of one 128-byte-swizzled bf16 wgmma), two stages in the ring.
+    stage_keys = max(min(64 if decode_like else 128, ring_bytes // (2 * key_bytes)) // 64 * 64, 64)
+    pages = max(stage_keys // block_size, 1)  # pages larger than a stage make a stage of one page
+    stage_bytes = pages * block_size * key_bytes
+    tiles = num_tiles_bound(num_tokens, num_reqs, group, ROWS_PER_WG * n_wg)
+    kv_stages = -(-max_blocks_per_req // pages)
+    if decode_like:
+        # Work in about one tile per request; the rest of the bound is padding.
+        splits = choose_splits(min(tiles, num_reqs) * num_kv_heads, kv_stages, num_sms)
+        return KernelConfig(
+            pages_per_stage=pages,
+            num_stages=max(2, min(4, ring_bytes // stage_bytes)),
+            num_compute_wgs=1,
+            num_kv_splits=splits,
+            accumulate_in_place=True,
+        )
+    splits = choose_splits(tiles * num_kv_heads, kv_stages, num_sms)
+    two_stages = KernelConfig(
+        pages_per_stage=pages,
+        num_stages=2,
+        num_compute_wgs=2,
+        num_kv_splits=splits,
+        compute_registers=PREFILL_COMPUTE_REGISTERS,
+        accumulate_in_place=True,
+        pingpong=True,
+        longest_first=True,
+    )
+    three_stages = dataclasses.replace(two_stages, num_stages=3)
+    fits = program_shared_memory(three_stages, head_dim, block_size, itemsize) <= SHARED_MEMORY_BYTES
+    return three_stages if fits else two_stages
+
+
+def config_for(
+    q: Float[Array, "num_tokens num_q_heads head_dim"],
+    k_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
+    metadata: AttentionMetadata,
+) -> KernelConfig:
+    """The tuning table's choice for this call's static shapes."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_reqs, max_blocks_per_req = metadata.block_tables.shape
+    return choose_config(
+        num_tokens,
+        num_reqs,
+        num_q_heads // num_kv_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        max_blocks_per_req,
+        q.dtype.itemsize,
+    )

@@ -1,0 +1,92 @@
+"""The kernel behind :func:`jaxrunner.ops.ragged_paged_attention`'s contract: schedule, launch, combine.
+
+Same contract as :func:`ragged_paged_attention_reference`, the oracle it is tested
+against; one call serves decodes, chunked and full prefills packed in one batch.
+The XLA ops around the kernel build the tile schedule and the tile-major queries,
+and afterwards gather the tile-major output rows back into token order, combining
+the KV splits' partial outputs by their log-sum-exps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jaxrunner.ops.attention_metadata import AttentionMetadata
+from jaxrunner.ops.attention_mgpu.kernel import launch_kernel
+from jaxrunner.ops.attention_mgpu.schedule import (
+    TileSchedule,
+    num_tiles_bound,
+    output_row_index,
+    tile_major_queries,
+    tile_schedule,
+)
+from jaxrunner.ops.attention_mgpu.tuning import KernelConfig, config_for
+
+
+def prepare_tiles(
+    q: Float[Array, "num_tokens num_q_heads head_dim"],
+    num_kv_heads: int,
+    metadata: AttentionMetadata,
+    config: KernelConfig,
+    sliding_window: int | None,
+) -> tuple[TileSchedule, Float[Array, "num_kv_heads tile_major_rows head_dim"]]:
+    """The kernel's inputs besides the caches: the tile schedule and the tile-major queries."""
+    num_tokens, num_q_heads, _ = q.shape
+    group = num_q_heads // num_kv_heads
+    num_reqs = metadata.block_tables.shape[0]
+    num_tiles = num_tiles_bound(num_tokens, num_reqs, group, config.tile_rows)
+    schedule = tile_schedule(metadata, group, config.tile_rows, num_tiles, sliding_window)
+    return schedule, tile_major_queries(q, schedule, num_kv_heads, config.tile_rows)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
+def ragged_paged_attention_mgpu(
+    q: Float[Array, "num_tokens num_q_heads head_dim"],
+    k_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
+    v_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
+    metadata: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    config: KernelConfig | None = None,
+    interpret=None,
+) -> Float[Array, "num_tokens num_q_heads head_dim"]:
+    """The Mosaic GPU kernel behind :func:`ragged_paged_attention`'s contract.
+
+    ``config`` overrides the tuning table; ``interpret`` (an ``InterpretGPUParams``)
+    runs the kernel through the Mosaic GPU interpreter on the CPU. Jitted, so that a
+    model calling it once per layer lowers (and compiles) the kernel once per shape.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    config = config or config_for(q, k_cache, metadata)
+    schedule, q_tiles = prepare_tiles(q, num_kv_heads, metadata, config, sliding_window)
+    results = launch_kernel(
+        schedule.fields,
+        metadata.block_tables.astype(jnp.int32),
+        q_tiles,
+        k_cache,
+        v_cache,
+        config=config,
+        group=group,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+    )
+    index, valid = output_row_index(metadata, schedule, num_tokens, group, config.tile_rows)
+    out = results[0][:, :, index]
+    if config.num_kv_splits > 1:
+        lse = results[1][:, :, index]
+        weight = jnp.exp2(lse - lse.max(axis=0, keepdims=True))
+        out = (out * weight[..., None]).sum(axis=0) / weight.sum(axis=0)[..., None]
+    else:
+        out = out[0]
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
