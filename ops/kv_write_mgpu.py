@@ -53,9 +53,11 @@ def _write_token(slot_ref, k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, *, bl
         plgpu.wait_smem_to_gmem(0)
 
     row = k_new_ref.shape[1:]
-    pl.when(slot >= 0)(lambda: pl.run_scoped(
-        scoped, plgpu.SMEM(row, k_new_ref.dtype), plgpu.SMEM(row, k_new_ref.dtype), plgpu.Barrier(num_barriers=2)
-    ))
+    pl.when(slot >= 0)(
+        lambda: pl.run_scoped(
+            scoped, plgpu.SMEM(row, k_new_ref.dtype), plgpu.SMEM(row, k_new_ref.dtype), plgpu.Barrier(num_barriers=2)
+        )
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -64,7 +66,7 @@ def write_kv_mgpu(
     v_cache: Cache,
     k_new: NewKV,
     v_new: NewKV,
-    slot_mapping: Int[Array, "num_tokens"],
+    slot_mapping: Int[Array, " num_tokens"],
     *,
     interpret=None,
 ) -> tuple[Cache, Cache]:

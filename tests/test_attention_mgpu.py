@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_attention_reference import LONG, MIXED, ODD, Case, _check, _make_inputs
 
 from jaxrunner.compat import mosaic_gpu_interpreter
 from jaxrunner.ops import AttentionMetadata, ragged_paged_attention
@@ -27,7 +28,6 @@ from jaxrunner.ops.attention_mgpu import (
     ragged_paged_attention_mgpu,
     tile_schedule,
 )
-from test_attention_reference import LONG, MIXED, ODD, Case, _check, _make_inputs
 
 SMALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
 
@@ -144,7 +144,9 @@ def _lower_for_cuda(num_tokens: int, num_reqs: int, max_blocks: int, head_dim: i
     q = spec((num_tokens, 32, head_dim), dtype)
     cache = spec((4096, 16, 8, head_dim), dtype)
     metadata = AttentionMetadata(
-        spec((num_reqs + 1,), jnp.int32), spec((num_reqs,), jnp.int32), spec((num_reqs, max_blocks), jnp.int32),
+        spec((num_reqs + 1,), jnp.int32),
+        spec((num_reqs,), jnp.int32),
+        spec((num_reqs, max_blocks), jnp.int32),
         spec((num_tokens,), jnp.int32),
     )
     kernel = functools.partial(ragged_paged_attention_mgpu, sm_scale=head_dim**-0.5, config=config)
@@ -153,8 +155,12 @@ def _lower_for_cuda(num_tokens: int, num_reqs: int, max_blocks: int, head_dim: i
 
 # The table's choice for decode (64 x 4k, 1 x 32k) and prefill (1 x 8k; 256 tokens, split: its log-sum-exps
 # take shared memory too), and the switches the sweep tries.
-LOWERED_CASES = {"decode-64": (64, 64, 256), "decode-1-split": (1, 1, 2048), "prefill": (8192, 1, 512),
-                 "prefill-split": (256, 1, 512)}
+LOWERED_CASES = {
+    "decode-64": (64, 64, 256),
+    "decode-1-split": (1, 1, 2048),
+    "prefill": (8192, 1, 512),
+    "prefill-split": (256, 1, 512),
+}
 SWITCHES = {
     "table": {},
     "registers+in_place": dict(compute_registers=232, accumulate_in_place=True),
@@ -215,8 +221,13 @@ def test_model_logits_through_the_kernel_match_the_reference_path(monkeypatch):
     from jaxrunner.ops.attention import IMPL_ENV_VAR
 
     config = TransformerConfig(
-        vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_layers=4,
-        num_heads=8, num_kv_heads=2, head_dim=128,
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
     )
     model = init_random_model(config, dtype="bfloat16", seed=0)
     prompts = random_prompts(config.vocab_size, [300, 17, 64, 129], seed=2)

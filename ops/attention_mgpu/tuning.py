@@ -25,7 +25,8 @@ SHARED_MEMORY_BYTES = (227 - 3) * 1024
 """Shared memory for a program's queries, ring and log-sum-exps: Hopper's 227 KiB a block, less
 3 KiB for the barriers and scratch the compiler allocates beside them."""
 PREFILL_COMPUTE_REGISTERS = 232
-"""Registers per thread for each of two compute warpgroups (the copy warpgroup keeps 40)."""
+"""Registers per thread for each of two prefill compute warpgroups (the copy warpgroup drops to
+``kernel.COPY_REGISTERS``)."""
 MIN_STAGES_PER_SPLIT = 2
 """A split shorter than this costs more in per-program setup and combining than it gains
 (``benchmarks/decisions/kv_splits.md``)."""

@@ -65,7 +65,8 @@ def ragged_paged_attention_mgpu(
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    config = config or config_for(q, k_cache, metadata)
+    if config is None:
+        config = config_for(q, k_cache, metadata)
     schedule, q_tiles = prepare_tiles(q, num_kv_heads, metadata, config, sliding_window)
     results = launch_kernel(
         schedule.fields,
