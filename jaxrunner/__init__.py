@@ -8,5 +8,6 @@ prefer_kernel_launches_to_cuda_graphs()
 from jaxrunner.interfaces import SamplingParams  # noqa: E402
 from jaxrunner.engine.llm import LLM  # noqa: E402
 from jaxrunner.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from jaxrunner.engine.structured_outputs import StructuredOutputsParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]

@@ -68,12 +68,6 @@ class NgramProposer:
             return []
         return history[end + 1 : end + 1 + k].tolist()
 
-    def propose_batch(
-        self, histories: Sequence[np.ndarray | Sequence[int]]
-    ) -> list[list[int]]:
-        """``propose`` for each request's history, in order."""
-        return [self.propose(history) for history in histories]
-
     def _leftmost_longest_match_end(self, history: np.ndarray) -> int:
         """End index of the leftmost earlier occurrence of the longest suffix n-gram, or -1.
 

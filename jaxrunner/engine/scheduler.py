@@ -286,7 +286,6 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
