@@ -192,9 +192,7 @@ class KVCacheManager:
         self._cached.clear()
         return True
 
-    def _verified_hashes(
-        self, req: _RequestBlocks | None, token_ids: Sequence[int], computed: list[int]
-    ) -> list[int]:
+    def _verified_hashes(self, req: _RequestBlocks | None, token_ids: Sequence[int], computed: list[int]) -> list[int]:
         """Chain hashes of the computed blocks, checked to still be cached for these tokens.
 
         Catches a stale ``get_computed_blocks`` result (blocks evicted and reused since).

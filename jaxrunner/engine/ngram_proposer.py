@@ -31,15 +31,12 @@ class NgramProposer:
         max_model_len: int | None = None,
     ) -> None:
         if num_speculative_tokens < 1:
-            raise ValueError(
-                f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}"
-            )
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if prompt_lookup_min < 1:
             raise ValueError(f"prompt_lookup_min must be >= 1, got {prompt_lookup_min}")
         if prompt_lookup_max < prompt_lookup_min:
             raise ValueError(
-                f"prompt_lookup_max ({prompt_lookup_max}) must be >= "
-                f"prompt_lookup_min ({prompt_lookup_min})"
+                f"prompt_lookup_max ({prompt_lookup_max}) must be >= prompt_lookup_min ({prompt_lookup_min})"
             )
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1 or None, got {max_model_len}")
