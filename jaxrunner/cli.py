@@ -9,9 +9,16 @@ import time
 import numpy as np
 
 _ENGINE_FLAGS = {
-    "dtype": str, "max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
-    "gpu_memory_utilization": float, "num_gpu_blocks_override": int, "seed": int,
-    "tensor_parallel_size": int, "data_parallel_size": int, "num_scheduler_steps": int,
+    "dtype": str,
+    "max_model_len": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "gpu_memory_utilization": float,
+    "num_gpu_blocks_override": int,
+    "seed": int,
+    "tensor_parallel_size": int,
+    "data_parallel_size": int,
+    "num_scheduler_steps": int,
 }
 
 
@@ -20,15 +27,24 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for name, kind in _ENGINE_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--no-async-scheduling", action="store_true",
-                        help="process each step's tokens before scheduling the next")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="turn on n-gram speculative decoding with this many drafts per step")
+    parser.add_argument(
+        "--no-async-scheduling", action="store_true", help="process each step's tokens before scheduling the next"
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="turn on n-gram speculative decoding with this many drafts per step",
+    )
     parser.add_argument("--token-buckets", type=int, nargs="+", default=None)
     parser.add_argument("--request-buckets", type=int, nargs="+", default=None)
-    parser.add_argument("--compiler-options", type=json.loads, default=None,
-                        help="XLA options for every step program as JSON, e.g. "
-                        "'{\"xla_gpu_enable_triton_gemm\": true}'; '{}' for XLA's defaults")
+    parser.add_argument(
+        "--compiler-options",
+        type=json.loads,
+        default=None,
+        help="XLA options for every step program as JSON, e.g. "
+        "'{\"xla_gpu_enable_triton_gemm\": true}'; '{}' for XLA's defaults",
+    )
 
 
 def _make_llm(args: argparse.Namespace):
@@ -38,16 +54,25 @@ def _make_llm(args: argparse.Namespace):
     kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     if args.num_speculative_tokens:
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    return LLM(args.model, enable_prefix_caching=not args.no_prefix_caching,
-               async_scheduling=not args.no_async_scheduling, **kwargs)
+    return LLM(
+        args.model,
+        enable_prefix_caching=not args.no_prefix_caching,
+        async_scheduling=not args.no_async_scheduling,
+        **kwargs,
+    )
 
 
 def _generate(args: argparse.Namespace) -> None:
     from jaxrunner.interfaces import SamplingParams
 
     llm = _make_llm(args)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+    )
     start = time.perf_counter()
     outputs = llm.generate(args.prompt, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -77,8 +102,8 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from jaxrunner.interfaces import SamplingParams
     from jaxrunner.engine.kv_cache_manager import PrefixCacheStats
+    from jaxrunner.interfaces import SamplingParams
 
     llm = _make_llm(args)
     rng = np.random.default_rng(args.workload_seed)
@@ -89,8 +114,9 @@ def _bench(args: argparse.Namespace) -> None:
         prompts = [np.resize(rng.integers(0, vocab, 16), n).tolist() for n in input_lens]
     else:
         prompts = [rng.integers(0, vocab, n).tolist() for n in input_lens]
-    params = [SamplingParams(temperature=0.0 if args.greedy else 1.0, max_tokens=int(n), ignore_eos=True)
-              for n in output_lens]
+    params = [
+        SamplingParams(temperature=0.0 if args.greedy else 1.0, max_tokens=int(n), ignore_eos=True) for n in output_lens
+    ]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - start
@@ -106,11 +132,17 @@ def _bench(args: argparse.Namespace) -> None:
     step_times = [e.step_times for e in engines]
     steps = max(sum(t.num_steps for t in step_times), 1)
     result = {
-        "model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
-        "output_len": args.output_len, "range_ratio": args.range_ratio, "elapsed_s": elapsed,
-        "requests_per_s": len(outputs) / elapsed, "output_tokens_per_s": num_output / elapsed,
+        "model": args.model,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(outputs) / elapsed,
+        "output_tokens_per_s": num_output / elapsed,
         "total_tokens_per_s": (num_input + num_output) / elapsed,
-        "ttft_ms": _percentiles(ttft), "tpot_ms": _percentiles(tpot),
+        "ttft_ms": _percentiles(ttft),
+        "tpot_ms": _percentiles(tpot),
         "num_preemptions": sum(e.scheduler.num_preemptions for e in engines),
         "prefix_cache_hit_rate": prefix_cache.hit_rate,
         "kv_cache_blocks": sum(m.num_usable_blocks for m in managers),
@@ -132,18 +164,28 @@ def _bench(args: argparse.Namespace) -> None:
     if spec.num_steps:
         result["mean_accepted_length"] = spec.mean_accepted_length
         result["acceptance_rate_per_position"] = spec.acceptance_rate_per_position
-        print(f"speculative: mean accepted length {spec.mean_accepted_length:.2f}, per position "
-              + ", ".join(f"{r:.2f}" for r in spec.acceptance_rate_per_position))
-    print(f"{len(outputs)} requests in {elapsed:.1f} s: {result['requests_per_s']:.2f} req/s, "
-          f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s")
-    print(f"KV cache: {result['kv_cache_blocks']} blocks, {result['kv_cache_tokens']} tokens; "
-          f"at most {result['max_num_scheduled_reqs']} requests in one step")
-    print(f"{result['num_steps']} steps: engine host work {result['host_ms_per_step']:.2f} ms, program calls "
-          f"{result['program_call_ms_per_step']:.2f} ms, waiting for tokens {result['device_wait_ms_per_step']:.2f} ms "
-          "a step")
+        print(
+            f"speculative: mean accepted length {spec.mean_accepted_length:.2f}, per position "
+            + ", ".join(f"{r:.2f}" for r in spec.acceptance_rate_per_position)
+        )
+    print(
+        f"{len(outputs)} requests in {elapsed:.1f} s: {result['requests_per_s']:.2f} req/s, "
+        f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s"
+    )
+    print(
+        f"KV cache: {result['kv_cache_blocks']} blocks, {result['kv_cache_tokens']} tokens; "
+        f"at most {result['max_num_scheduled_reqs']} requests in one step"
+    )
+    print(
+        f"{result['num_steps']} steps: engine host work {result['host_ms_per_step']:.2f} ms, program calls "
+        f"{result['program_call_ms_per_step']:.2f} ms, waiting for tokens {result['device_wait_ms_per_step']:.2f} ms "
+        "a step"
+    )
     if decode_steps:
-        print(f"{decode_steps} decode-only steps: {result['decode_step_ms']:.2f} ms each, engine host work "
-              f"{result['decode_host_ms_per_step']:.2f} ms ({result['decode_host_share']:.1%} of the step)")
+        print(
+            f"{decode_steps} decode-only steps: {result['decode_step_ms']:.2f} ms each, engine host work "
+            f"{result['decode_host_ms_per_step']:.2f} ms ({result['decode_host_share']:.1%} of the step)"
+        )
     for name in ("ttft_ms", "tpot_ms"):
         print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in result[name].items()))
     if args.output_json:
@@ -171,8 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--num-prompts", type=int, default=100)
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=128)
-    bench.add_argument("--range-ratio", type=float, default=0.0,
-                       help="lengths uniform in len * [1 - r, 1 + r]")
+    bench.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
     bench.add_argument("--greedy", action="store_true")
     bench.add_argument("--repetitive", action="store_true", help="prompts repeat a 16-token phrase")
     bench.add_argument("--workload-seed", type=int, default=0)

@@ -15,6 +15,11 @@ def admit(mgr: KVCacheManager, req_id: str, tokens: list[int]) -> list[int] | No
     return mgr.allocate_slots(req_id, tokens, len(tokens) - num_computed, num_computed, blocks)
 
 
+def usage(mgr: KVCacheManager) -> float:
+    """Fraction of usable blocks held by running requests."""
+    return 1.0 - mgr.num_free_blocks / mgr.num_usable_blocks
+
+
 def snapshot(mgr: KVCacheManager) -> tuple:
     return (
         list(mgr._ref_counts),
@@ -28,13 +33,13 @@ def snapshot(mgr: KVCacheManager) -> tuple:
 
 def test_allocate_and_free_return_the_pool():
     mgr = KVCacheManager(num_blocks=11, block_size=BS)
-    assert mgr.num_usable_blocks == 10 and mgr.num_free_blocks == 10 and mgr.usage == 0.0
+    assert mgr.num_usable_blocks == 10 and mgr.num_free_blocks == 10 and usage(mgr) == 0.0
     assert admit(mgr, "a", list(range(9))) == [1, 2, 3]
     assert mgr.allocate_slots("a", list(range(12)), 3, 9) == []  # still fits block 3
     assert mgr.allocate_slots("a", list(range(13)), 1, 12) == [4]
     assert admit(mgr, "b", list(range(100, 105))) == [5, 6]
     assert mgr.get_block_ids("a") == [1, 2, 3, 4]
-    assert mgr.num_free_blocks == 4 and mgr.usage == pytest.approx(0.6)
+    assert mgr.num_free_blocks == 4 and usage(mgr) == pytest.approx(0.6)
     mgr.free("a")
     mgr.free("b")
     mgr.free("unknown")
@@ -170,11 +175,11 @@ def test_shared_blocks_are_ref_counted():
     for child in ("c0", "c1"):  # n > 1 sampling: children share the prompt's full blocks
         assert admit(mgr, child, prompt) is not None
     shared = mgr.get_block_ids("parent")[:2]
-    assert [mgr.ref_count(b) for b in shared] == [3, 3]
+    assert [mgr._ref_counts[b] for b in shared] == [3, 3]
     assert mgr.get_block_ids("c0")[:2] == shared and mgr.get_block_ids("c0")[2] not in shared
     free_before = mgr.num_free_blocks
     mgr.free("parent")
-    assert [mgr.ref_count(b) for b in shared] == [2, 2]
+    assert [mgr._ref_counts[b] for b in shared] == [2, 2]
     assert mgr.num_free_blocks == free_before + 1  # only the parent's own partial block
     mgr.free("c0")
     mgr.free("c1")
@@ -188,7 +193,7 @@ def test_revived_cached_block_leaves_the_free_queue():
     mgr.free("a")
     blocks, _ = mgr.get_computed_blocks("b", prompt)
     admit(mgr, "b", prompt)
-    assert all(b not in mgr._free and mgr.ref_count(b) == 1 for b in blocks)
+    assert all(b not in mgr._free and mgr._ref_counts[b] == 1 for b in blocks)
 
 
 def test_stale_computed_blocks_are_rejected():
@@ -253,7 +258,7 @@ def test_random_workload_keeps_invariants(seed):
         free = list(mgr._free)
         assert len(free) == len(set(free)) and not set(free) & holders.keys()
         assert set(free) | holders.keys() == set(range(1, num_blocks))
-        assert all(mgr.ref_count(b) == holders.get(b, 0) for b in range(num_blocks))
+        assert all(mgr._ref_counts[b] == holders.get(b, 0) for b in range(num_blocks))
         assert all(mgr._hashes[b] == h for h, b in mgr._cached.items())
 
     for step in range(600):

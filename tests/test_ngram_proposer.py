@@ -79,7 +79,7 @@ def test_max_model_len_cap():
 def test_accepts_numpy_and_batches():
     p = NgramProposer(2, 1, 2)
     histories = [np.array([1, 2, 1], dtype=np.int32), [3, 4], [5, 6, 5, 6]]
-    assert p.propose_batch(histories) == [[2, 1], [], [5, 6]]
+    assert [p.propose(h) for h in histories] == [[2, 1], [], [5, 6]]
     assert all(type(t) is int for t in p.propose(histories[0]))
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from jaxrunner.interfaces import RequestOutputKind, SamplingParams
 from jaxrunner.engine.llm_engine import LLMEngine
 from jaxrunner.engine.outputs import RequestOutput
+from jaxrunner.interfaces import RequestOutputKind, SamplingParams
 
 
 class DataParallelEngines:

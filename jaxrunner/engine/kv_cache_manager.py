@@ -78,18 +78,9 @@ class KVCacheManager:
         """Blocks requests can hold: all but the reserved null block."""
         return self.num_blocks - 1
 
-    @property
-    def usage(self) -> float:
-        """Fraction of usable blocks held by running requests."""
-        return 1.0 - self.num_free_blocks / self.num_usable_blocks
-
     def can_fit(self, num_blocks_needed: int) -> bool:
         """Whether ``num_blocks_needed`` blocks are free now (cached free blocks count)."""
         return num_blocks_needed <= self.num_free_blocks
-
-    def ref_count(self, block_id: int) -> int:
-        """How many running requests hold ``block_id``."""
-        return self._ref_counts[block_id]
 
     def num_blocks_to_grow(self, req_id: str, num_tokens: int) -> int:
         """Blocks the request would have to take to hold ``num_tokens`` tokens."""
@@ -201,9 +192,7 @@ class KVCacheManager:
         self._cached.clear()
         return True
 
-    def _verified_hashes(
-        self, req: _RequestBlocks | None, token_ids: Sequence[int], computed: list[int]
-    ) -> list[int]:
+    def _verified_hashes(self, req: _RequestBlocks | None, token_ids: Sequence[int], computed: list[int]) -> list[int]:
         """Chain hashes of the computed blocks, checked to still be cached for these tokens.
 
         Catches a stale ``get_computed_blocks`` result (blocks evicted and reused since).

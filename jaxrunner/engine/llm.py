@@ -11,7 +11,6 @@ import jax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jaxrunner.models.builtin import DEFAULT_DTYPES, is_builtin
 from jaxrunner.config import (
     CacheConfig,
     CompilationConfig,
@@ -23,14 +22,15 @@ from jaxrunner.config import (
     SpeculativeConfig,
 )
 from jaxrunner.engine.data_parallel import DataParallelEngines
-from jaxrunner.interfaces import RequestOutputKind, SamplingParams
 from jaxrunner.engine.kv_cache_manager import KVCacheManager
 from jaxrunner.engine.llm_engine import LLMEngine
-from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.engine.outputs import RequestOutput
 from jaxrunner.engine.scheduler import Scheduler
-from jaxrunner.sharding import make_mesh, replica_meshes
+from jaxrunner.interfaces import RequestOutputKind, SamplingParams
+from jaxrunner.models.builtin import DEFAULT_DTYPES, is_builtin
 from jaxrunner.models.tokenizer import build_byte_tokenizer, load_tokenizer
+from jaxrunner.runner.model_runner import ModelRunner
+from jaxrunner.sharding import make_mesh, replica_meshes
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
 """The engine loop: requests in, one scheduler/runner step at a time, outputs out.
 
-It owns the per-request output side that the scheduler does not: turning
-tokens into text incrementally, stop strings, ``n > 1`` fan-out, and the
-``RequestOutput`` objects. A bad request is refused with an error output of
-its own; it never reaches the scheduler or the runner.
+A prompt goes through the ``InputProcessor`` (refused there with an error
+output of its own if it could never run) into the scheduler; each step then
+schedules, dispatches the runner, and hands the sampled tokens to the
+scheduler and to the ``OutputProcessor``, which turns them into
+``RequestOutput``s.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from jaxrunner.engine.detokenizer import IncrementalDetokenizer
+from jaxrunner.engine.input_processor import InputProcessor
+from jaxrunner.engine.ngram_proposer import NgramProposer
+from jaxrunner.engine.output_processor import OutputProcessor, refused_output
+from jaxrunner.engine.outputs import RequestOutput
+from jaxrunner.engine.request import RequestStatus
+from jaxrunner.engine.scheduler import Scheduler
+from jaxrunner.engine.structured_outputs import StructuredOutputManager
 from jaxrunner.interfaces import (
     AsyncModelRunnerOutput,
     ModelRunnerOutput,
@@ -21,11 +28,6 @@ from jaxrunner.interfaces import (
     SchedulerOutput,
 )
 from jaxrunner.runner.model_runner import ModelRunner
-from jaxrunner.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxrunner.engine.request import Request, RequestStatus
-from jaxrunner.engine.scheduler import Scheduler
-from jaxrunner.engine.ngram_proposer import NgramProposer
-from jaxrunner.engine.structured_outputs import StructuredOutputManager
 
 
 @dataclasses.dataclass
@@ -59,37 +61,19 @@ def _decodes_only(scheduler_output: SchedulerOutput) -> bool:
     )
 
 
-@dataclasses.dataclass
-class _Sequence:
-    """One generated sequence of a prompt (``n`` of them per prompt)."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    num_streamed_tokens: int = 0
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
-
-
-@dataclasses.dataclass
-class _Prompt:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[_Sequence]
-    arrival_time: float
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        """Whether every sequence of the prompt has finished."""
-        return all(s.request.is_finished for s in self.sequences)
-
-
 class LLMEngine:
     """Runs requests to completion over a ``Scheduler`` and a ``ModelRunner``."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer=None):
         self.runner = runner
+        self.scheduler = scheduler
+        self.spans = runner.spans
+        self.max_model_len = runner.max_model_len
+        self.structured_outputs = (
+            StructuredOutputManager(tokenizer, runner.vocab_size) if tokenizer is not None else None
+        )
+        self.input_processor = InputProcessor(runner, scheduler, tokenizer, self.structured_outputs)
+        self.output_processor = OutputProcessor(scheduler, tokenizer, self.structured_outputs)
         spec = runner.config.speculative_config
         self.num_spec = runner.config.num_speculative_tokens
         self.proposer = None
@@ -97,16 +81,6 @@ class LLMEngine:
             self.proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max, runner.max_model_len
             )
-        self.scheduler = scheduler
-        self.tokenizer = tokenizer
-        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
-        self.max_model_len = runner.max_model_len
-        self.structured_outputs = (
-            StructuredOutputManager(tokenizer, runner.vocab_size) if tokenizer is not None else None
-        )
-        self._prompts: dict[str, _Prompt] = {}
-        # Each running sequence's request id -> its prompt and its sequence.
-        self._by_request_id: dict[str, tuple[_Prompt, _Sequence]] = {}
         # A dispatched step whose tokens are not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         self._last_dispatch_decodes_only = False
@@ -114,148 +88,24 @@ class LLMEngine:
 
     # ------------------------------------------------------------- requests
 
-    def add_request(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
-    ) -> RequestOutput | None:
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> RequestOutput | None:
         """Queue a prompt; returns a finished error output instead if the request is invalid."""
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids: list[int] = []
         try:
-            token_ids = self._tokenize(prompt)
-            self._validate(token_ids, params)
-            params = self._with_token_lists(params)
-            self.runner.check_sampling_params(params)
-            sequences = self._sequences(request_id, token_ids, params)
-            self._add_grammars(sequences, params)
+            token_ids = self.input_processor.tokenize(prompt)
+            requests = self.input_processor.make_requests(request_id, token_ids, params)
         except ValueError as error:
-            return RequestOutput(
-                request_id, prompt_text, token_ids, [CompletionOutput(0, "", [], finish_reason="error")],
-                finished=True, error=str(error),
-            )
-        prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
-        entry = _Prompt(request_id, prompt_text, token_ids, sequences, sequences[0].request.arrival_time,
-                        prompt_logprobs)
-        self._prompts[request_id] = entry
-        for seq in sequences:
-            self._by_request_id[seq.request.request_id] = (entry, seq)
-            self.scheduler.add_request(seq.request)
+            return refused_output(request_id, prompt_text, token_ids, str(error))
+        self.output_processor.add_prompt(request_id, prompt_text, token_ids, requests)
+        for request in requests:
+            self.scheduler.add_request(request)
         return None
-
-    def _sequences(self, request_id: str, token_ids: list[int], params: SamplingParams) -> list[_Sequence]:
-        """The ``n`` sequences of a prompt; with a seed, child i samples with seed + i."""
-        arrival = time.monotonic()
-        # Children differ only in their seeds, which decide nothing here.
-        multi_step_ok = self.scheduler.config.num_scheduler_steps > 1 and self._runs_to_length(params)
-        sequences = []
-        for index in range(params.n):
-            child_params = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + index
-                child_params = dataclasses.replace(params, n=1, seed=seed)
-            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
-            request = Request(child_id, token_ids, child_params, self.eos_token_id, arrival_time=arrival,
-                              multi_step_ok=multi_step_ok)
-            logprobs = [] if params.logprobs is not None else None
-            sequences.append(_Sequence(request, self._detokenizer(token_ids, child_params), logprobs=logprobs))
-        return sequences
-
-    def _runs_to_length(self, params: SamplingParams) -> bool:
-        """Whether a request can end only at its length limit and samples plainly: several decode
-        steps per round take it. ``params`` carries its stop ids (EOS included unless ignored)."""
-        return (
-            not params.all_stop_token_ids and not params.stop and params.structured_outputs is None
-            and self.runner.samples_plainly(params)
-        )
-
-    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("This engine has no tokenizer; pass prompts as lists of token ids.")
-            return list(self.tokenizer.encode(prompt))
-        token_ids = [int(t) for t in prompt]
-        vocab = self.runner.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
-        return token_ids
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
-        params._validate()  # fields may have been changed after construction
-        if not token_ids:
-            raise ValueError("The prompt is empty; give at least one token.")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"The prompt has {len(token_ids)} tokens, more than max_model_len ({self.max_model_len})."
-            )
-        scheduler_config = self.scheduler.config
-        if not scheduler_config.enable_chunked_prefill and len(token_ids) > scheduler_config.max_num_batched_tokens:
-            raise ValueError(
-                f"The prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
-                f"({scheduler_config.max_num_batched_tokens}) with chunked prefill off: it could never be scheduled."
-            )
-        manager = self.scheduler.kv_cache_manager
-        needed = manager.num_blocks_for(len(token_ids) + 1 + self.scheduler.num_lookahead_tokens, manager.block_size)
-        if needed > manager.num_usable_blocks:
-            raise ValueError(
-                f"The prompt needs {needed} KV cache blocks, more than the whole cache holds "
-                f"({manager.num_usable_blocks}); shorten it or give the cache more memory."
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer to detect stop strings.")
-        if self.num_spec and (params.logprobs is not None or params.structured_outputs is not None):
-            raise ValueError(
-                "SamplingParams.logprobs and structured_outputs are not supported with speculative decoding yet; "
-                "turn speculative decoding off for these requests' engine."
-            )
-
-    def _add_grammars(self, sequences: list[_Sequence], params: SamplingParams) -> None:
-        """One grammar matcher per sequence; none is left behind if one fails."""
-        if params.structured_outputs is None:
-            return
-        if self.structured_outputs is None:
-            raise ValueError("SamplingParams.structured_outputs needs a tokenizer.")
-        added = []
-        try:
-            for seq in sequences:
-                self.structured_outputs.add_request(seq.request.request_id, params.structured_outputs)
-                added.append(seq.request.request_id)
-        except ValueError:
-            for req_id in added:
-                self.structured_outputs.remove_request(req_id)
-            raise
-
-    def _with_token_lists(self, params: SamplingParams) -> SamplingParams:
-        """Add what the runner needs as token ids: min_tokens' stop ids and the bad words."""
-        stop_ids = list(params.stop_token_ids)
-        if self.eos_token_id is not None and not params.ignore_eos:
-            stop_ids.append(self.eos_token_id)
-        bad_words = []
-        for word in params.bad_words or []:
-            if self.tokenizer is None:
-                raise ValueError("SamplingParams.bad_words needs a tokenizer.")
-            # As vLLM: the word as it is and after a space, without special tokens.
-            for variant in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in bad_words:
-                    bad_words.append(ids)
-        return dataclasses.replace(params, all_stop_token_ids=stop_ids, bad_words_token_ids=bad_words)
-
-    def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(self.tokenizer, token_ids, stop=list(params.stop))
 
     def abort_request(self, request_ids: Sequence[str]) -> None:
         """Finish the prompts ``request_ids`` now (status aborted); unknown ids are ignored."""
         for request_id in request_ids:
-            entry = self._prompts.get(request_id)
-            if entry is not None:
-                self.scheduler.finish_requests(
-                    [s.request.request_id for s in entry.sequences], RequestStatus.FINISHED_ABORTED
-                )
-                self._release(entry)
+            self.scheduler.finish_requests(self.output_processor.abort(request_id), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running."""
@@ -264,7 +114,7 @@ class LLMEngine:
     @property
     def num_unfinished_prompts(self) -> int:
         """Prompts added and not finished yet (the load data parallelism balances)."""
-        return len(self._prompts)
+        return self.output_processor.num_prompts
 
     # ----------------------------------------------------------------- step
 
@@ -286,7 +136,8 @@ class LLMEngine:
         if self._in_flight is not None and not self._can_overlap():
             outputs += self._process(*self._in_flight, output_kind)
             self._in_flight = None
-        scheduler_output = self.scheduler.schedule()
+        with self.spans("schedule"):
+            scheduler_output = self.scheduler.schedule()
         runner_output = self._dispatch(scheduler_output)
         if self._in_flight is not None:
             outputs += self._process(*self._in_flight, output_kind)
@@ -300,21 +151,7 @@ class LLMEngine:
             # requests. Settle it now, so that nothing of it reaches requests added later.
             outputs += self._process(*self._in_flight, output_kind)
             self._in_flight = None
-        waited = self.runner.device_wait_s - wait_before
-        called = self.runner.program_call_s - call_before
-        wall = time.perf_counter() - start
-        host = wall - waited - called
-        times = self.step_times
-        times.num_steps += 1
-        times.wait_s += waited
-        times.call_s += called
-        times.host_s += host
-        decodes_only = _decodes_only(scheduler_output)
-        if decodes_only and self._last_dispatch_decodes_only:
-            times.decode_steps += scheduler_output.num_decode_steps
-            times.decode_host_s += host
-            times.decode_wall_s += wall
-        self._last_dispatch_decodes_only = decodes_only
+        self._record_times(scheduler_output, start, wait_before, call_before)
         return outputs
 
     def _can_overlap(self) -> bool:
@@ -341,40 +178,16 @@ class LLMEngine:
         runner_output: ModelRunnerOutput | AsyncModelRunnerOutput,
         output_kind: RequestOutputKind,
     ) -> list[RequestOutput]:
-        """Apply one step's tokens: scheduler update, logprobs, grammars, text and stop strings."""
+        """Apply one step's tokens: the scheduler's update, then the outputs; then the next drafts."""
         if isinstance(runner_output, AsyncModelRunnerOutput):
             runner_output = runner_output.get_output()
-        touched: dict[str, _Prompt] = {}
-        ending: set[str] = set()  # prompts with a sequence that finished in this update
-        self._record_prompt_logprobs(runner_output)
-        logprob_rows = self._logprob_rows(runner_output)
-        has_grammars = self._has_grammars()
-        for request, new_tokens in self.scheduler.update_from_output(scheduler_output, runner_output):
-            entry, seq = self._by_request_id[request.request_id]
-            if seq.logprobs is not None:
-                self._record_logprobs(seq, runner_output, logprob_rows[request.request_id][: len(new_tokens)])
-            grammar_done = has_grammars and self._advance_grammar(request, new_tokens)
-            finished = request.is_finished
-            if seq.detokenizer is not None:
-                # A stop token id (or EOS) ends the text without its own text, as in vLLM.
-                by_token = finished and request.status is RequestStatus.FINISHED_STOPPED and not grammar_done
-                stop_str = seq.detokenizer.update(new_tokens, finished=finished, stop_terminated=by_token)
-                if stop_str is not None:
-                    self._stop_on_string(request, stop_str)
-                    finished = request.is_finished
-            touched[entry.request_id] = entry
-            if finished:
-                ending.add(entry.request_id)
+        with self.spans("update_from_output"):
+            updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        with self.spans("process_outputs"):
+            outputs = self.output_processor.process(runner_output, updates, output_kind)
         if self.num_spec:
-            self._propose_drafts()
-        outputs = []
-        final_only, delta = output_kind == RequestOutputKind.FINAL_ONLY, output_kind == RequestOutputKind.DELTA
-        for entry in touched.values():
-            finished = entry.request_id in ending and entry.finished
-            if finished or not final_only:
-                outputs.append(self._make_output(entry, delta))
-            if finished:
-                self._release(entry)
+            with self.spans("propose_drafts"):
+                self._propose_drafts()
         return outputs
 
     def _propose_drafts(self) -> None:
@@ -397,110 +210,20 @@ class LLMEngine:
             else:
                 request.spec_token_ids = self.proposer.propose(request.all_token_ids)[:room]
 
-    @staticmethod
-    def _logprob_rows(runner_output: ModelRunnerOutput) -> dict[str, range]:
-        if runner_output.logprobs is None:
-            return {}
-        cu = runner_output.logprobs.cu_num_generated_tokens
-        return {req_id: range(cu[i], cu[i + 1]) for i, req_id in enumerate(runner_output.req_ids)}
-
-    def _logprob_dict(self, ids, logprobs, chosen_rank: int, count: int) -> dict[int, Logprob]:
-        """The chosen token (column 0) and the top ``count``, with ranks and text."""
-        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
-        out = {int(ids[0]): Logprob(float(logprobs[0]), int(chosen_rank), decode(int(ids[0])))}
-        for rank, (token, value) in enumerate(zip(ids[1 : count + 1], logprobs[1 : count + 1]), start=1):
-            out.setdefault(int(token), Logprob(float(value), rank, decode(int(token))))
-        return out
-
-    def _record_logprobs(self, seq: _Sequence, runner_output: ModelRunnerOutput, rows: range) -> None:
-        lists = runner_output.logprobs
-        count = seq.request.sampling_params.logprobs
-        for row in rows:
-            entry = self._logprob_dict(
-                lists.logprob_token_ids[row], lists.logprobs[row], lists.sampled_token_ranks[row], count
-            )
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += float(lists.logprobs[row][0])
-
-    def _record_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> None:
-        for req_id, (first, lists) in runner_output.prompt_logprobs_dict.items():
-            entry, _ = self._by_request_id.get(req_id, (None, None))
-            if entry is None or entry.prompt_logprobs is None or entry.sequences[0].request.request_id != req_id:
-                continue
-            count = entry.sequences[0].request.sampling_params.prompt_logprobs
-            for i in range(len(lists.logprobs)):
-                entry.prompt_logprobs[first + i] = self._logprob_dict(
-                    lists.logprob_token_ids[i], lists.logprobs[i], lists.sampled_token_ranks[i], count
-                )
-
-    def _advance_grammar(self, request: Request, new_tokens: list[int]) -> bool:
-        """Feed sampled tokens to the matcher; True if that finished the request.
-
-        A complete grammar allows only EOS next, which ignore_eos or min_tokens
-        may forbid, so completion itself ends the request.
-        """
-        manager = self.structured_outputs
-        if manager is None or not manager.has(request.request_id) or request.is_finished:
-            return False
-        if not manager.accept_tokens(request.request_id, new_tokens):
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
-            return True
-        if manager.is_terminated(request.request_id):
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-            return True
-        return False
-
-    def _stop_on_string(self, request: Request, stop_str: str) -> None:
-        if request.is_finished:
-            request.status = RequestStatus.FINISHED_STOPPED
-        else:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-        request.stop_reason = stop_str
-
-    def _release(self, entry: _Prompt) -> None:
-        del self._prompts[entry.request_id]
-        for seq in entry.sequences:
-            del self._by_request_id[seq.request.request_id]
-            if self.structured_outputs is not None:
-                self.structured_outputs.remove_request(seq.request.request_id)
-
-    def _make_output(self, entry: _Prompt, delta: bool) -> RequestOutput:
-        completions = []
-        for index, seq in enumerate(entry.sequences):
-            request = seq.request
-            token_ids = request.output_token_ids[seq.num_streamed_tokens if delta else 0 :]
-            if delta:
-                seq.num_streamed_tokens = len(request.output_token_ids)
-            if seq.detokenizer is None:
-                text = ""
-            elif delta:
-                text = seq.detokenizer.get_next_output_text(request.is_finished, delta=True)
-            else:
-                text = seq.detokenizer.output_text
-            completions.append(
-                CompletionOutput(
-                    index=index,
-                    text=text,
-                    token_ids=list(token_ids),
-                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                    logprobs=self._streamed(seq.logprobs, len(token_ids)) if delta else seq.logprobs,
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                )
-            )
-        first = [s.request.first_token_time for s in entry.sequences if s.request.first_token_time]
-        done = [s.request.finished_time for s in entry.sequences if s.request.finished_time]
-        metrics = RequestMetrics(
-            arrival_time=entry.arrival_time,
-            first_token_time=min(first) if first else None,
-            finished_time=max(done) if entry.finished and done else None,
-            num_generated_tokens=max(len(s.request.output_token_ids) for s in entry.sequences),
-        )
-        return RequestOutput(
-            entry.request_id, entry.prompt, entry.prompt_token_ids, completions, entry.finished, metrics,
-            prompt_logprobs=entry.prompt_logprobs,
-        )
-
-    @staticmethod
-    def _streamed(logprobs: list | None, num_new: int) -> list | None:
-        return None if logprobs is None else logprobs[len(logprobs) - num_new :]
+    def _record_times(self, scheduler_output: SchedulerOutput, start: float, wait_before: float, call_before: float):
+        """Add this step to ``step_times``: its host work is its wall time less the runner's program calls and waits."""
+        waited = self.runner.device_wait_s - wait_before
+        called = self.runner.program_call_s - call_before
+        wall = time.perf_counter() - start
+        host = wall - waited - called
+        times = self.step_times
+        times.num_steps += 1
+        times.wait_s += waited
+        times.call_s += called
+        times.host_s += host
+        decodes_only = _decodes_only(scheduler_output)
+        if decodes_only and self._last_dispatch_decodes_only:
+            times.decode_steps += scheduler_output.num_decode_steps
+            times.decode_host_s += host
+            times.decode_wall_s += wall
+        self._last_dispatch_decodes_only = decodes_only

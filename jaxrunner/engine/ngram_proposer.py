@@ -31,15 +31,12 @@ class NgramProposer:
         max_model_len: int | None = None,
     ) -> None:
         if num_speculative_tokens < 1:
-            raise ValueError(
-                f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}"
-            )
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if prompt_lookup_min < 1:
             raise ValueError(f"prompt_lookup_min must be >= 1, got {prompt_lookup_min}")
         if prompt_lookup_max < prompt_lookup_min:
             raise ValueError(
-                f"prompt_lookup_max ({prompt_lookup_max}) must be >= "
-                f"prompt_lookup_min ({prompt_lookup_min})"
+                f"prompt_lookup_max ({prompt_lookup_max}) must be >= prompt_lookup_min ({prompt_lookup_min})"
             )
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1 or None, got {max_model_len}")
@@ -67,12 +64,6 @@ class NgramProposer:
         if end < 0:
             return []
         return history[end + 1 : end + 1 + k].tolist()
-
-    def propose_batch(
-        self, histories: Sequence[np.ndarray | Sequence[int]]
-    ) -> list[list[int]]:
-        """``propose`` for each request's history, in order."""
-        return [self.propose(history) for history in histories]
 
     def _leftmost_longest_match_end(self, history: np.ndarray) -> int:
         """End index of the leftmost earlier occurrence of the longest suffix n-gram, or -1.

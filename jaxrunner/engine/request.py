@@ -48,7 +48,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # The token id or stop string that ended the request, if any.
     stop_reason: int | str | None = None
-    num_preemptions: int = 0
     # Draft tokens proposed for the next step (speculative decoding).
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     # Tokens sampled by steps already dispatched whose outputs have not come back

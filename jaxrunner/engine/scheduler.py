@@ -18,9 +18,9 @@ import time
 from collections.abc import Iterable
 
 from jaxrunner.config import SchedulerConfig
-from jaxrunner.interfaces import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from jaxrunner.engine.kv_cache_manager import KVCacheManager
 from jaxrunner.engine.request import Request, RequestStatus
+from jaxrunner.interfaces import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 
 @dataclasses.dataclass
@@ -47,8 +47,10 @@ class SpecDecodingStats:
         """Both replicas' counts together."""
         add_lists = lambda a, b: [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
         return SpecDecodingStats(
-            self.num_steps + other.num_steps, self.num_drafts + other.num_drafts,
-            self.num_accepted + other.num_accepted, add_lists(self.drafted_at, other.drafted_at),
+            self.num_steps + other.num_steps,
+            self.num_drafts + other.num_drafts,
+            self.num_accepted + other.num_accepted,
+            add_lists(self.drafted_at, other.drafted_at),
             add_lists(self.accepted_at, other.accepted_at),
         )
 
@@ -67,7 +69,10 @@ class Scheduler:
     """Produces a ``SchedulerOutput`` per step and consumes the runner's ``ModelRunnerOutput``."""
 
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int,
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
         num_lookahead_tokens: int = 0,
     ):
         self.config = config
@@ -123,7 +128,8 @@ class Scheduler:
     # ------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's requests and token counts, allocate their KV blocks, and say what the runner must add, update and free."""
+        """Choose this step's requests and their token counts, allocate their KV blocks, and say
+        what the runner must add, update and free."""
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
@@ -169,8 +175,13 @@ class Scheduler:
             index += 1
 
         # Waiting requests only when nothing was preempted this step (as vLLM), and never into a round.
-        while (steps == 1 and not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while (
+            steps == 1
+            and not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
             tokens = request.all_token_ids
             if request.sampling_params.prompt_logprobs is None:
@@ -182,8 +193,11 @@ class Scheduler:
                 break
             num_new = min(remaining, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request.request_id, tokens, num_new + self._lookahead(request, num_new, num_computed),
-                num_computed, computed_blocks,
+                request.request_id,
+                tokens,
+                num_new + self._lookahead(request, num_new, num_computed),
+                num_computed,
+                computed_blocks,
             )
             if new_blocks is None:
                 break
@@ -286,7 +300,6 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 

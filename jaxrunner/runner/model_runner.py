@@ -68,6 +68,7 @@ from jaxrunner.sample.sampling_state import (
     pack_sampling_params,
     uses_sampling_stages,
 )
+from jaxrunner.spans import Spans
 from jaxrunner.sharding import host_copy, kv_cache_sharding, make_mesh, min_over_processes, replicated, tensor_parallel_size
 from jaxrunner.models.partitioning import param_shardings
 from jaxrunner.runner.states import DeviceState, RequestState, write_new_requests
@@ -136,6 +137,7 @@ class ModelRunner:
         self.device_wait_s = 0.0
         # Seconds spent inside calls of the compiled programs: XLA launches their kernels on the calling thread.
         self.program_call_s = 0.0
+        self.spans = Spans()
 
     # ------------------------------------------------------------------ set-up
 

@@ -1,0 +1,156 @@
+"""Input processing: a prompt and its sampling parameters become the scheduler's ``Request``s.
+
+It tokenizes text prompts, refuses what could never run (a ``ValueError``
+whose message the caller returns as the request's error output), resolves
+what the runner needs as token ids (stop ids with EOS, bad words), fans
+``n > 1`` out into one request per sequence and registers their grammars.
+vLLM's ``v1/engine/processor.py`` does this job there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from jaxrunner.engine.request import Request
+from jaxrunner.engine.scheduler import Scheduler
+from jaxrunner.engine.structured_outputs import StructuredOutputManager
+from jaxrunner.interfaces import SamplingParams
+from jaxrunner.runner.model_runner import ModelRunner
+
+
+class InputProcessor:
+    """Checks and prepares requests against one engine's runner, scheduler and tokenizer."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        tokenizer,
+        structured_outputs: StructuredOutputManager | None,
+    ):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.structured_outputs = structured_outputs
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids: a text encoded, or ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("This engine has no tokenizer; pass prompts as lists of token ids.")
+            return list(self.tokenizer.encode(prompt))
+        token_ids = [int(t) for t in prompt]
+        vocab = self.runner.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+        return token_ids
+
+    def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams) -> list[Request]:
+        """The ``n`` requests of a prompt, their grammars registered; ``ValueError`` if it cannot run."""
+        self._validate(token_ids, params)
+        params = self._with_token_lists(params)
+        self.runner.check_sampling_params(params)
+        requests = self._fan_out(request_id, token_ids, params)
+        self._add_grammars(requests, params)
+        return requests
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
+        params._validate()  # fields may have been changed after construction
+        if not token_ids:
+            raise ValueError("The prompt is empty; give at least one token.")
+        max_model_len = self.runner.max_model_len
+        if len(token_ids) > max_model_len:
+            raise ValueError(f"The prompt has {len(token_ids)} tokens, more than max_model_len ({max_model_len}).")
+        scheduler_config = self.scheduler.config
+        if not scheduler_config.enable_chunked_prefill and len(token_ids) > scheduler_config.max_num_batched_tokens:
+            raise ValueError(
+                f"The prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
+                f"({scheduler_config.max_num_batched_tokens}) with chunked prefill off: it could never be scheduled."
+            )
+        manager = self.scheduler.kv_cache_manager
+        needed = manager.num_blocks_for(len(token_ids) + 1 + self.scheduler.num_lookahead_tokens, manager.block_size)
+        if needed > manager.num_usable_blocks:
+            raise ValueError(
+                f"The prompt needs {needed} KV cache blocks, more than the whole cache holds "
+                f"({manager.num_usable_blocks}); shorten it or give the cache more memory."
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer to detect stop strings.")
+        if self.runner.config.num_speculative_tokens and (
+            params.logprobs is not None or params.structured_outputs is not None
+        ):
+            raise ValueError(
+                "SamplingParams.logprobs and structured_outputs are not supported with speculative decoding yet; "
+                "turn speculative decoding off for these requests' engine."
+            )
+
+    def _with_token_lists(self, params: SamplingParams) -> SamplingParams:
+        """Add what the runner needs as token ids: min_tokens' stop ids and the bad words."""
+        stop_ids = list(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stop_ids.append(self.eos_token_id)
+        bad_words = []
+        for word in params.bad_words or []:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.bad_words needs a tokenizer.")
+            # As vLLM: the word as it is and after a space, without special tokens.
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in bad_words:
+                    bad_words.append(ids)
+        return dataclasses.replace(params, all_stop_token_ids=stop_ids, bad_words_token_ids=bad_words)
+
+    def _fan_out(self, request_id: str, token_ids: list[int], params: SamplingParams) -> list[Request]:
+        """One request per sequence; with ``n > 1`` child i is ``f"{i}_{request_id}"`` and samples with seed + i."""
+        arrival = time.monotonic()
+        # Children differ only in their seeds, which decide nothing here.
+        multi_step_ok = self.scheduler.config.num_scheduler_steps > 1 and self._runs_to_length(params)
+        requests = []
+        for index in range(params.n):
+            child_id, child_params = request_id, params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_id, child_params = f"{index}_{request_id}", dataclasses.replace(params, n=1, seed=seed)
+            requests.append(
+                Request(
+                    child_id,
+                    token_ids,
+                    child_params,
+                    self.eos_token_id,
+                    arrival_time=arrival,
+                    multi_step_ok=multi_step_ok,
+                )
+            )
+        return requests
+
+    def _runs_to_length(self, params: SamplingParams) -> bool:
+        """Whether a request can end only at its length limit and samples plainly: several decode
+        steps per round take it. ``params`` carries its stop ids (EOS included unless ignored)."""
+        return (
+            not params.all_stop_token_ids
+            and not params.stop
+            and params.structured_outputs is None
+            and self.runner.samples_plainly(params)
+        )
+
+    def _add_grammars(self, requests: list[Request], params: SamplingParams) -> None:
+        """One grammar matcher per request; none is left behind if one fails."""
+        if params.structured_outputs is None:
+            return
+        if self.structured_outputs is None:
+            raise ValueError("SamplingParams.structured_outputs needs a tokenizer.")
+        added = []
+        try:
+            for request in requests:
+                self.structured_outputs.add_request(request.request_id, params.structured_outputs)
+                added.append(request.request_id)
+        except ValueError:
+            for req_id in added:
+                self.structured_outputs.remove_request(req_id)
+            raise
