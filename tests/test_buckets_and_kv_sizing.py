@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxrunner.runner.buckets import default_ladder, make_ladder, pad_to_bucket
+from jaxrunner.runner.compilation import default_ladder, make_ladder, pad_to_bucket
 from jaxrunner.config import CUBLAS_GEMMS, CUBLAS_MIN_ROWS, CacheConfig, CompilationConfig
 from jaxrunner.models import TransformerConfig, init_random_model
 from runner_driver import make_runner

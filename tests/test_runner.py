@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from hf_models import save_tiny_hf_model
-from jaxrunner.runner.buckets import CompileCounter
+from jaxrunner.runner.compilation import CompileCounter
 from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from jaxrunner.models import TransformerConfig, init_random_model, load_model
 from runner_driver import HandScheduler, make_runner
