@@ -22,7 +22,9 @@ def test_cuda_graphs_are_off_unless_the_user_chose(monkeypatch):
     # A flag whose value merely contains the name is not the user's choice.
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/xla_gpu_enable_command_buffer")
     importlib.reload(jaxrunner)
-    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/xla_gpu_enable_command_buffer --xla_gpu_enable_command_buffer="
+    assert (
+        os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/xla_gpu_enable_command_buffer --xla_gpu_enable_command_buffer="
+    )
     importlib.reload(jaxrunner)  # a second import adds nothing
     assert os.environ["XLA_FLAGS"].count("--xla_gpu_enable_command_buffer") == 1
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")

@@ -76,8 +76,7 @@ class InputBatch:
     req_ids: list[str]
     idx_mapping_np: np.ndarray  # int32 [num_reqs]
     num_scheduled_tokens: np.ndarray  # int32 [num_reqs]
-    num_tokens: int
-    num_tokens_after_padding: int
+    num_tokens_after_padding: int  # the token bucket
     num_reqs_after_padding: int  # the request bucket of logits and sampling
     is_sampling_np: np.ndarray  # bool [num_reqs]
     num_drafts: np.ndarray  # int32 [num_reqs]: draft tokens to verify

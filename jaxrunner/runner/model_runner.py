@@ -447,7 +447,6 @@ class ModelRunner:
                 req_ids=req_ids,
                 idx_mapping_np=idx_mapping,
                 num_scheduled_tokens=num_scheduled,
-                num_tokens=num_tokens,
                 num_tokens_after_padding=token_bucket,
                 num_reqs_after_padding=request_bucket,
                 is_sampling_np=seq_lens >= self.req_states.prefill_len[idx_mapping],

@@ -114,9 +114,7 @@ class RequestState:
         self.vocab_size = vocab_size
         self.layout = new_request_layout(max_model_len, max_blocks, sampler_config, vocab_size)
         self.req_id_to_index: dict[str, int] = {}
-        self.index_to_req_id: dict[int, str] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
-        self.prompt_len = np.zeros(max_num_reqs, np.int32)
         self.prefill_len = np.zeros(max_num_reqs, np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
         self.num_logprobs = np.zeros(max_num_reqs, np.int32)
@@ -124,16 +122,6 @@ class RequestState:
         self.plain_sampling = np.zeros(max_num_reqs, np.bool_)
         self._seed_rng = random.Random(seed)
         self._staged_rows: list[np.ndarray] = []
-
-    @property
-    def row_words(self) -> int:
-        """int32 words of a request's packed row."""
-        return self.layout.width
-
-    @property
-    def num_reqs(self) -> int:
-        """Requests holding a slot."""
-        return len(self.req_id_to_index)
 
     def add_request(self, new_req: NewRequestData) -> int:
         """Give a request a slot and stage its row; checks what the device cannot."""
@@ -162,8 +150,6 @@ class RequestState:
         sampling = pack_sampling_params(new_req.sampling_params, self._seed_rng, self.sampler_config, self.vocab_size)
         slot = self._free_slots.pop()
         self.req_id_to_index[req_id] = slot
-        self.index_to_req_id[slot] = req_id
-        self.prompt_len[slot] = len(new_req.prompt_token_ids)
         self.prefill_len[slot] = len(tokens)
         self.num_computed_tokens[slot] = new_req.num_computed_tokens
         self.num_logprobs[slot] = sampling["num_logprobs"]
@@ -188,7 +174,6 @@ class RequestState:
         slot = self.req_id_to_index.pop(req_id, None)
         if slot is None:
             return
-        del self.index_to_req_id[slot]
         self._free_slots.append(slot)
 
     def take_staged_rows(self, num_rows: int) -> np.ndarray | None:
