@@ -242,11 +242,13 @@ class CompilationManager:
             "decode_steps", lambda key: self._lower_decode_steps(*key, num_blocks=self._kv_blocks()), options_of_first
         )
         self.prompt_logprobs = CompiledPrograms("prompt_logprobs", self._lower_prompt_logprobs, options)
+        # Outputs keep the inputs' layout: caches split on KV heads, everything else replicated.
+        cache, whole = inputs.cache_sharding, inputs.replicated
         self._sample_jit = jax.jit(
             functools.partial(step_functions.sample_step, statics),
             static_argnames=("num_rows", "plain"),
             donate_argnums=(2, 5),
-            out_shardings=(inputs.cache_sharding, *[inputs.replicated] * 3),
+            out_shardings=(cache, whole, whole, whole),
         )
 
     @property
