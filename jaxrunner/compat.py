@@ -1,59 +1,11 @@
-"""The one place that knows about differences between JAX versions and backends."""
+"""The one place that knows about differences between JAX versions and backends (and names JAX's private modules)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import jax
-
-ASYNC_DISPATCH_ENV_VAR = "PJRT_GPU_ENABLE_ASYNC_DISPATCH"
-COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
-
-
-def prefer_async_gpu_dispatch() -> None:
-    """Have the PjRt GPU client launch each program from a thread of its own, unless the user chose.
-
-    By default a call into a compiled program launches its kernels (then in a CUDA
-    graph) on the calling thread: a decode step's forward call held the engine's Python
-    thread for 7-11 ms (``benchmarks/step_overhead.py``), so the next step could
-    not be prepared meanwhile. Read once, when JAX starts its GPU backend, so it
-    must be set before the first computation; ``PJRT_GPU_ENABLE_ASYNC_DISPATCH=0``
-    keeps the synchronous launch.
-    """
-    os.environ.setdefault(ASYNC_DISPATCH_ENV_VAR, "1")
-
-
-def prefer_kernel_launches_to_cuda_graphs() -> None:
-    """Have XLA launch a GPU program's kernels one by one rather than as CUDA graphs, unless the user chose.
-
-    A decode step's forward is one CUDA graph of about 600 kernels. Its temporary
-    and output buffers move from call to call, so before every launch XLA updates
-    nearly every node of the graph (about 2 ms of host time), and the updated graph
-    starts only once its previous launch has finished: the GPU sat idle 2-3 ms in
-    every step (``benchmarks/decode_step.py --trace``). Launched one by one from
-    PjRt's own thread, the kernels queue up while the previous step runs. XLA
-    reads ``XLA_FLAGS`` once, when JAX starts its first backend, so this must
-    come before JAX's first computation; a ``--xla_gpu_enable_command_buffer``
-    of the user's in ``XLA_FLAGS`` is kept.
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if not any(flag.split("=", 1)[0] == COMMAND_BUFFER_FLAG for flag in flags.split()):
-        os.environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFER_FLAG}=".strip()
-
-
-def enable_persistent_compilation_cache(cache_dir: str) -> None:
-    """Turn on JAX's persistent compilation cache for every program, however small.
-
-    JAX skips programs that compile in under a second by default, which would
-    leave the small sampling programs uncached.
-    """
-    if not cache_dir:
-        return
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def device_memory_stats(device: jax.Device) -> dict[str, int] | None:
@@ -75,11 +27,6 @@ def mosaic_gpu_interpreter():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
-
-
-def mosaic_gpu_interpreter_off_gpu():
-    """None on a GPU (the kernel is compiled), else the interpreter's parameters: a kernel's ``interpret``."""
-    return None if jax.devices()[0].platform == "gpu" else mosaic_gpu_interpreter()
 
 
 @contextlib.contextmanager

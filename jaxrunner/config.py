@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from jaxrunner import envs
+
 
 @dataclasses.dataclass
 class ModelConfig:
@@ -197,9 +199,7 @@ class ParallelConfig:
 
 def default_cache_dir() -> str:
     """``$XDG_CACHE_HOME/jaxrunner/xla`` (``~/.cache`` without it): the persistent compilation cache."""
-    return os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxrunner", "xla"
-    )
+    return os.path.join(envs.XDG_CACHE_HOME, "jaxrunner", "xla")
 
 
 # XLA's own GEMM emitter (Triton) against cuBLAS for a decode step's projections, at 64 rows

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from jaxrunner.models.transformer import KVCache, TransformerConfig, check_tensor_parallel, decoder_layers, run_layers
-from jaxrunner.ops import AttentionMetadata
+from jaxrunner.ops import AttentionBackend, AttentionMetadata
 from jaxrunner.sharding import tensor_parallel_size
 
 
@@ -46,10 +46,11 @@ class EagleHead(nnx.Module):
         positions: Int[Array, "T"],
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
+        attention_backend: AttentionBackend | None = None,
     ) -> tuple[Float[Array, "T E"], list[KVCache]]:
         """The predicted next features, and the head's updated KV caches."""
         x = self.fc(jnp.concatenate([token_embeddings, features.astype(token_embeddings.dtype)], axis=-1))
-        return run_layers(self.layers, self.config, x, positions, kv_caches, metadata)
+        return run_layers(self.layers, self.config, x, positions, kv_caches, metadata, attention_backend)
 
 
 def init_random_eagle_head(config: TransformerConfig, *, dtype="float32", seed: int = 0) -> EagleHead:

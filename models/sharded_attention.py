@@ -12,9 +12,10 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float
 
-from jaxrunner.ops.attention import forced_impl, ragged_paged_attention
+from jaxrunner.ops.attention import ragged_paged_attention
+from jaxrunner.ops.attention_backend import AttentionBackend
 from jaxrunner.ops.attention_metadata import AttentionMetadata
-from jaxrunner.ops.kv_write import Cache, pick_kv_write_impl, write_kv
+from jaxrunner.ops.kv_write import Cache, write_kv
 from jaxrunner.sharding import KV_CACHE_LOGICAL_AXES, RULES, tensor_parallel_size
 
 _Q_SPEC = RULES.spec((None, "q_heads", "head_dim"))
@@ -30,21 +31,41 @@ def write_and_attend(
     metadata: AttentionMetadata,
     *,
     mesh: Mesh | None,
-    **attention_options,
+    backend: AttentionBackend | None = None,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[Float[Array, "num_tokens num_q_heads head_dim"], tuple[Cache, Cache]]:
     """Write this step's K/V at ``metadata.slot_mapping``, then attend over the cache.
 
-    ``attention_options`` go to :func:`ragged_paged_attention` (``sm_scale``,
-    ``sliding_window``, ``soft_cap``, ``impl``). Returns the attention output and
-    the updated ``(k_cache, v_cache)``, sharded as they came in.
+    ``backend`` picks both implementations (None: JAX's default devices' backend);
+    the other options go to :func:`ragged_paged_attention`. Returns the attention
+    output and the updated ``(k_cache, v_cache)``, sharded as they came in.
     """
+    ops = backend or AttentionBackend.default()
 
-    forced = forced_impl(attention_options.get("impl"))
-
-    def local(q, k, v, k_cache, v_cache, metadata):
-        impl = pick_kv_write_impl(k.shape[0], k_cache, forced)  # this device's shard of the heads
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, metadata.slot_mapping, impl=impl)
-        return ragged_paged_attention(q, k_cache, v_cache, metadata, **attention_options), k_cache, v_cache
+    def local(q, k, v, k_cache, v_cache, metadata):  # on this device's shard of the heads
+        k_cache, v_cache = write_kv(
+            k_cache,
+            v_cache,
+            k,
+            v,
+            metadata.slot_mapping,
+            impl=ops.kv_write_impl(k.shape[0], k_cache),
+            interpret=ops.interpret,
+        )
+        out = ragged_paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            metadata,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            impl=ops.attention_impl(q, k_cache),
+            interpret=ops.interpret,
+        )
+        return out, k_cache, v_cache
 
     if tensor_parallel_size(mesh) > 1:
         # The kernel declares no varying mesh axes, so the replication check is off.

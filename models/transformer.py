@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float, Int
 
 from jaxrunner.models.sharded_attention import write_and_attend
-from jaxrunner.ops import AttentionMetadata
+from jaxrunner.ops import AttentionBackend, AttentionMetadata
 from jaxrunner.sharding import RULES, padded_vocab_size, replicated, tensor_parallel_size
 
 KVCache = tuple[Array, Array]
@@ -273,6 +273,7 @@ class Attention(nnx.Module):
         sin: Float[Array, "T D/2"],
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        attention_backend: AttentionBackend | None = None,
     ) -> tuple[Float[Array, "T E"], KVCache]:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x)  # [t, kv_heads, slots, head_dim]; query head h reads KV head h // group
@@ -283,7 +284,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = write_and_attend(
-            q, k, v, kv_cache, metadata, mesh=self.mesh, sm_scale=self.head_dim**-0.5,
+            q, k, v, kv_cache, metadata, mesh=self.mesh, backend=attention_backend, sm_scale=self.head_dim**-0.5,
             sliding_window=self.sliding_window,
         )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv_cache
@@ -319,8 +320,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = norm()
         self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata):
-        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata)
+    def __call__(
+        self, x, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata,
+        attention_backend: AttentionBackend | None = None,
+    ):
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, attention_backend)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
@@ -351,13 +355,14 @@ def run_layers(
     positions: Int[Array, "T"],
     kv_caches: list[KVCache],
     metadata: AttentionMetadata,
+    attention_backend: AttentionBackend | None = None,
 ) -> tuple[Float[Array, "T E"], list[KVCache]]:
     """The decoder layers over ``x`` with RoPE at ``positions``, and their updated caches."""
     angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(config)[None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     new_caches = []
     for layer, kv_cache in zip(layers, kv_caches, strict=True):
-        x, kv_cache = layer(x, cos, sin, kv_cache, metadata)
+        x, kv_cache = layer(x, cos, sin, kv_cache, metadata, attention_backend)
         new_caches.append(kv_cache)
     return x, new_caches
 
@@ -432,10 +437,16 @@ class CausalLM(nnx.Module):
         positions: Int[Array, "T"],
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
+        attention_backend: AttentionBackend | None = None,
     ) -> tuple[Float[Array, "T E"], list[KVCache]]:
-        """Hidden states after the final norm, and every layer's updated KV cache."""
+        """Hidden states after the final norm, and every layer's updated KV cache.
+
+        ``attention_backend`` picks the attention ops' implementation (None: that of
+        JAX's default devices); a runner passes the one it resolved for its mesh.
+        """
         x, new_caches = run_layers(
-            self.model.layers, self.config, self.model.embed_tokens(input_ids), positions, kv_caches, metadata
+            self.model.layers, self.config, self.model.embed_tokens(input_ids), positions, kv_caches, metadata,
+            attention_backend,
         )
         return self.model.norm(x), new_caches
 

@@ -1,7 +1,8 @@
 """Device ops: paged KV-cache writes and ragged paged attention, each a Mosaic GPU kernel beside its pure-JAX reference."""
 
 from jaxrunner.ops.attention import ragged_paged_attention
+from jaxrunner.ops.attention_backend import AttentionBackend
 from jaxrunner.ops.attention_metadata import AttentionMetadata
 from jaxrunner.ops.kv_write import write_kv
 
-__all__ = ["AttentionMetadata", "ragged_paged_attention", "write_kv"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "ragged_paged_attention", "write_kv"]

@@ -1,24 +1,11 @@
 """Write the current step's keys and values into the paged KV cache: XLA's scatter or the Mosaic GPU kernel."""
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from jaxrunner.compat import is_hopper, mosaic_gpu_interpreter_off_gpu
-from jaxrunner.ops.kv_write_mgpu import Cache, NewKV, kernel_supports, write_kv_mgpu
-
-KERNEL_MIN_TOKENS = 1024
-"""Fewest tokens for which the automatic choice takes the kernel: it wins clearly only at prefill-sized
-writes, and below them neither implementation is reliably ahead (``benchmarks/decisions/kv_write_threshold.md``)."""
-
-
-def pick_kv_write_impl(num_tokens: int, k_cache: Cache, forced: str | None) -> str:
-    """``forced`` if given, else the kernel on Hopper for writes of at least ``KERNEL_MIN_TOKENS`` tokens
-    whose rows it can copy, else XLA's scatter ("reference")."""
-    if forced:
-        return forced
-    large = num_tokens >= KERNEL_MIN_TOKENS
-    return "mosaic_gpu" if large and kernel_supports(k_cache) and is_hopper(jax.devices()[0]) else "reference"
+from jaxrunner.compat import mosaic_gpu_interpreter
+from jaxrunner.ops.attention_backend import AttentionBackend
+from jaxrunner.ops.kv_write_mgpu import Cache, NewKV, write_kv_mgpu
 
 
 def _scatter_slots(cache: Cache, new: NewKV, slot_mapping: Int[Array, "num_tokens"]) -> Cache:
@@ -44,6 +31,7 @@ def write_kv(
     slot_mapping: Int[Array, "num_tokens"],
     *,
     impl: str = "reference",
+    interpret: bool | None = None,
 ) -> tuple[Cache, Cache]:
     """Write one layer's new K/V rows into its caches and return the updated caches.
 
@@ -51,10 +39,15 @@ def write_kv(
     tokens (slot -1) are never written. New values are cast to the cache dtype.
     Under ``jit`` with the caches donated, either implementation updates them in
     place. ``impl`` "reference" is XLA's scatter; "mosaic_gpu" the kernel of
-    :mod:`jaxrunner.ops.kv_write_mgpu` (through its interpreter off a GPU).
+    :mod:`jaxrunner.ops.kv_write_mgpu`, through its interpreter if ``interpret``
+    (None: if JAX's default devices are no GPU). A runner's ``AttentionBackend``
+    picks both (``kv_write_impl``, ``interpret``).
     """
     if impl == "mosaic_gpu":
-        return write_kv_mgpu(k_cache, v_cache, k_new, v_new, slot_mapping, interpret=mosaic_gpu_interpreter_off_gpu())
+        if interpret is None:
+            interpret = AttentionBackend.default().interpret
+        interpreter = mosaic_gpu_interpreter() if interpret else None
+        return write_kv_mgpu(k_cache, v_cache, k_new, v_new, slot_mapping, interpret=interpreter)
     if impl != "reference":
         raise ValueError(f"unknown KV write impl {impl!r}; valid: 'reference', 'mosaic_gpu'")
     return (

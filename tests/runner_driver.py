@@ -45,11 +45,14 @@ def make_runner(
         model_config=ModelConfig(max_model_len=max_model_len, dtype=str(model.dtype)),
         cache_config=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             num_scheduler_steps=num_scheduler_steps,
         ),
         compilation_config=CompilationConfig(
-            token_buckets=token_buckets, request_buckets=request_buckets, cache_dir=cache_dir,
+            token_buckets=token_buckets,
+            request_buckets=request_buckets,
+            cache_dir=cache_dir,
             compiler_options=compiler_options,
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size(mesh)),

@@ -218,7 +218,7 @@ def test_model_logits_through_the_kernel_match_the_reference_path(monkeypatch):
     from test_model_parity import jitted_step, pack, random_prompts
 
     from jaxrunner.models import TransformerConfig, init_random_model
-    from jaxrunner.ops.attention import IMPL_ENV_VAR
+    from jaxrunner.envs import ATTENTION_IMPL_ENV_VAR
 
     config = TransformerConfig(
         vocab_size=4096,
@@ -238,7 +238,7 @@ def test_model_logits_through_the_kernel_match_the_reference_path(monkeypatch):
     shape = (160, 16, config.num_kv_heads, config.head_dim)
     logits = {}
     for impl in ("reference", "mosaic_gpu"):
-        monkeypatch.setenv(IMPL_ENV_VAR, impl)
+        monkeypatch.setenv(ATTENTION_IMPL_ENV_VAR, impl)
         step = jitted_step(model)
         caches = [(jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16)) for _ in range(config.num_layers)]
         out1, caches = step(pack([p[:n] for p, n in zip(prompts, first)], 512), jnp.asarray(pos1), caches, md1)

@@ -1,11 +1,11 @@
 """Bucket ladders, padding errors, and KV cache sizing after a profile run."""
 
 import pytest
+from runner_driver import make_runner
 
-from jaxrunner.runner.buckets import default_ladder, make_ladder, pad_to_bucket
 from jaxrunner.config import CUBLAS_GEMMS, CUBLAS_MIN_ROWS, CacheConfig, CompilationConfig
 from jaxrunner.models import TransformerConfig, init_random_model
-from runner_driver import make_runner
+from jaxrunner.runner.compilation import default_ladder, make_ladder, pad_to_bucket
 
 
 @pytest.mark.parametrize("max_size", [1, 7, 64, 300, 2048, 8192])
@@ -28,10 +28,25 @@ def test_pad_to_bucket_and_its_errors():
 
 
 def test_kv_cache_sized_from_budget_after_profile_run():
-    config = TransformerConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                               num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
-    runner = make_runner(init_random_model(config), max_num_seqs=4, max_num_batched_tokens=16,
-                         token_buckets=[16], request_buckets=[4], num_blocks=2, max_model_len=128)
+    config = TransformerConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
+    runner = make_runner(
+        init_random_model(config),
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        token_buckets=[16],
+        request_buckets=[4],
+        num_blocks=2,
+        max_model_len=128,
+    )
     assert runner.profile_run() > 0
     runner.cache_config = CacheConfig(cpu_kv_cache_bytes=20 * runner.kv_cache_spec.bytes_per_block)
     assert runner.initialize_kv_cache() == 20
@@ -47,11 +62,25 @@ def test_step_programs_compile_with_the_configured_xla_options():
     assert CompilationConfig().step_compiler_options(CUBLAS_MIN_ROWS) == CUBLAS_GEMMS
     assert CompilationConfig().step_compiler_options(CUBLAS_MIN_ROWS - 1) == {}
     assert CompilationConfig(compiler_options={}).step_compiler_options(CUBLAS_MIN_ROWS) == {}
-    config = TransformerConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                               num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
-    runner = make_runner(init_random_model(config), max_num_seqs=4, max_num_batched_tokens=16,
-                         token_buckets=[16], request_buckets=[4], max_model_len=128,
-                         compiler_options={"xla_no_such_option": True})
+    config = TransformerConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
+    runner = make_runner(
+        init_random_model(config),
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        token_buckets=[16],
+        request_buckets=[4],
+        max_model_len=128,
+        compiler_options={"xla_no_such_option": True},
+    )
     # The option reaches XLA, which names it: every step program is compiled with it.
     with pytest.raises(Exception, match="xla_no_such_option"):
         runner.capture_model()

@@ -70,12 +70,12 @@ def test_greedy_outputs_identical_across_caching_chunking_and_preemption(make_ll
 
 def _dispatch_order(llm, monkeypatch) -> list[str]:
     """Records "D" when the runner dispatches a step and "R" when a step's tokens are read."""
-    from jaxrunner.runner import model_runner
+    from jaxrunner.runner.async_output import AsyncOutput
 
     events = []
     runner = llm.llm_engine.runner
     execute = runner.execute_model
-    get_output = model_runner._PendingOutput.get_output
+    get_output = AsyncOutput.get_output
 
     def dispatch(scheduler_output):
         if scheduler_output.total_num_scheduled_tokens:
@@ -87,7 +87,7 @@ def _dispatch_order(llm, monkeypatch) -> list[str]:
         return get_output(self)
 
     monkeypatch.setattr(runner, "execute_model", dispatch)
-    monkeypatch.setattr(model_runner._PendingOutput, "get_output", read)
+    monkeypatch.setattr(AsyncOutput, "get_output", read)
     return events
 
 

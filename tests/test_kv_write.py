@@ -147,16 +147,17 @@ def test_kernel_writes_in_place_at_llama3_sizes():
             np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
 
 
-def test_automatic_choice_takes_the_kernel_for_large_writes_on_hopper(monkeypatch):
-    from jaxrunner.ops import kv_write
+def test_automatic_choice_takes_the_kernel_for_large_writes_on_hopper():
+    from jaxrunner.ops.attention_backend import KV_WRITE_KERNEL_MIN_TOKENS, AttentionBackend
 
     bf16_cache = jnp.zeros((4, 16, 8, 128), jnp.bfloat16)  # 2 KiB rows
     narrow_cache = jnp.zeros((4, 16, 1, 32), jnp.bfloat16)  # 64-byte rows: the kernel cannot copy them
-    many, few = kv_write.KERNEL_MIN_TOKENS, kv_write.KERNEL_MIN_TOKENS - 1
-    assert kv_write.pick_kv_write_impl(many, bf16_cache, None) == "reference"  # this CPU is no Hopper GPU
-    assert kv_write.pick_kv_write_impl(few, bf16_cache, "mosaic_gpu") == "mosaic_gpu"  # forced wins
-    monkeypatch.setattr(kv_write, "is_hopper", lambda device: True)
-    assert kv_write.pick_kv_write_impl(many, bf16_cache, None) == "mosaic_gpu"
-    assert kv_write.pick_kv_write_impl(few, bf16_cache, None) == "reference"
-    assert kv_write.pick_kv_write_impl(many, narrow_cache, None) == "reference"
-    assert kv_write.pick_kv_write_impl(many, narrow_cache, "reference") == "reference"
+    many, few = KV_WRITE_KERNEL_MIN_TOKENS, KV_WRITE_KERNEL_MIN_TOKENS - 1
+    this_cpu = AttentionBackend.for_devices(jax.devices())
+    assert this_cpu.kv_write_impl(many, bf16_cache) == "reference"  # this CPU is no Hopper GPU
+    assert AttentionBackend.for_devices(jax.devices(), "mosaic_gpu").kv_write_impl(few, bf16_cache) == "mosaic_gpu"
+    hopper = AttentionBackend(hopper=True)
+    assert hopper.kv_write_impl(many, bf16_cache) == "mosaic_gpu"
+    assert hopper.kv_write_impl(few, bf16_cache) == "reference"
+    assert hopper.kv_write_impl(many, narrow_cache) == "reference"
+    assert AttentionBackend("reference", hopper=True).kv_write_impl(many, narrow_cache) == "reference"

@@ -225,7 +225,7 @@ def test_engine_takes_the_plain_path_and_samples_as_the_full_path(cache_dir):
     llm = LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=100,
               token_buckets=[4, 64], request_buckets=[4], compilation_cache_dir=cache_dir)
     runner = llm.llm_engine.runner
-    programs = runner._sample_programs
+    programs = runner.compilation.sample
     paths = []
     get = programs.get
     programs.get = lambda key: paths.append(key[1]) or get(key)

@@ -23,7 +23,7 @@ from runner_driver import HandScheduler, make_runner
 from test_attention_reference import Case, _make_inputs
 from test_model_parity import jitted_step, pack, random_caches, random_prompts, rel_err
 
-from jaxrunner.runner.buckets import CompileCounter
+from jaxrunner.runner.compilation import CompileCounter
 from jaxrunner.compat import mosaic_gpu_interpreter_on_several_devices
 from jaxrunner.config import CacheConfig, ParallelConfig
 from jaxrunner.interfaces import SamplingParams
@@ -31,6 +31,7 @@ from jaxrunner.engine.llm import LLM
 from jaxrunner.models import TransformerConfig, init_random_model, load_model
 from jaxrunner.models import loader
 from jaxrunner.models.sharded_attention import write_and_attend
+from jaxrunner.ops.attention_backend import AttentionBackend
 from jaxrunner.sharding import MODEL_AXIS, kv_cache_sharding, make_mesh, replica_meshes
 
 pytestmark = pytest.mark.skipif(
@@ -240,8 +241,10 @@ def test_mosaic_gpu_kernel_runs_per_kv_head_shard_in_the_interpreter():
     q, k_cache, v_cache, metadata = _make_inputs(case, seed=0)
     k, v = (jax.random.normal(key, (q.shape[0], 2, 64)) for key in jax.random.split(jax.random.key(1)))
     mesh = tp_mesh(2)
-    reference = jax.jit(lambda *a: write_and_attend(*a, mesh=None, impl="reference", sm_scale=0.125))
-    kernel = jax.jit(lambda *a: write_and_attend(*a, mesh=mesh, impl="mosaic_gpu", sm_scale=0.125))
+    reference_ops = AttentionBackend("reference")
+    mosaic_gpu = AttentionBackend.for_devices(mesh.devices.flat, "mosaic_gpu")  # interpreted on the CPU
+    reference = jax.jit(lambda *a: write_and_attend(*a, mesh=None, backend=reference_ops, sm_scale=0.125))
+    kernel = jax.jit(lambda *a: write_and_attend(*a, mesh=mesh, backend=mosaic_gpu, sm_scale=0.125))
     want, want_caches = reference(q, k, v, (k_cache, v_cache), metadata)
     with mosaic_gpu_interpreter_on_several_devices():
         got, got_caches = kernel(q, k, v, jax.device_put((k_cache, v_cache), kv_cache_sharding(mesh)), metadata)

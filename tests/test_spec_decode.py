@@ -5,7 +5,7 @@ import transformers
 import pytest
 
 from hf_models import save_tiny_hf_model
-from jaxrunner.runner.buckets import CompileCounter
+from jaxrunner.runner.compilation import CompileCounter
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.engine.llm import LLM
 from jaxrunner.models import TransformerConfig

@@ -1,10 +1,14 @@
-"""One step's batch: host-side ordering and packing, device-side input preparation.
+"""One step's batch: the host packs it into one buffer, the step program builds its inputs from it.
 
-The host orders the scheduled requests (decodes first), pads to the token
-bucket and packs slots, scheduled counts and block appends into ONE int32
-buffer. On the device, ``prepare_inputs`` turns that buffer and the request
-state into input ids, positions, attention metadata and the rows to sample,
-so decode inputs (the last sampled token) never leave the device.
+The host (``ModelRunner.prepare_inputs``) orders the scheduled requests
+(decodes first), pads to the token bucket and packs slots, scheduled counts and
+block appends into ONE int32 buffer (``pack_step_buffer``). On the device,
+``build_step_inputs`` turns that buffer and the request state into input ids,
+positions, attention metadata and the rows to sample, so decode inputs (the
+last sampled token) never leave the device.
+
+Dimensions: T tokens (the token bucket), R request rows of the step, max_reqs
+request slots, S drafts per request.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
-from jaxrunner.runner.block_table import apply_block_appends, compute_slot_mapping
 from jaxrunner.ops import AttentionMetadata
+from jaxrunner.runner.block_table import apply_block_appends, compute_slot_mapping
 from jaxrunner.runner.states import DeviceState
 
 
@@ -45,10 +49,10 @@ class SampleRows:
     idx_mapping: Int[Array, "max_reqs"]  # request slot; max_num_reqs for padding
     num_scheduled: Int[Array, "max_reqs"]
     num_drafts: Int[Array, "max_reqs"]
-    draft_tokens: Int[Array, "max_reqs K"]
+    draft_tokens: Int[Array, "max_reqs S"]
     # Input position of each logits row: row j scores the token after draft j - 1
     # (row 0: after the last sampled or prompt token). Rows past num_drafts are padding.
-    positions: Int[Array, "max_reqs K1"]
+    positions: Int[Array, "max_reqs S+1"]
     is_sampling: Bool[Array, "max_reqs"]  # False mid chunked prefill and for padding
 
     @classmethod
@@ -56,8 +60,12 @@ class SampleRows:
         """Shapes and dtypes of the rows, for lowering the sampling programs."""
         i32 = lambda *shape: jax.ShapeDtypeStruct((max_num_reqs, *shape), jnp.int32)
         return cls(
-            idx_mapping=i32(), num_scheduled=i32(), num_drafts=i32(), draft_tokens=i32(num_spec),
-            positions=i32(num_spec + 1), is_sampling=jax.ShapeDtypeStruct((max_num_reqs,), jnp.bool_),
+            idx_mapping=i32(),
+            num_scheduled=i32(),
+            num_drafts=i32(),
+            draft_tokens=i32(num_spec),
+            positions=i32(num_spec + 1),
+            is_sampling=jax.ShapeDtypeStruct((max_num_reqs,), jnp.bool_),
         )
 
 
@@ -68,8 +76,7 @@ class InputBatch:
     req_ids: list[str]
     idx_mapping_np: np.ndarray  # int32 [num_reqs]
     num_scheduled_tokens: np.ndarray  # int32 [num_reqs]
-    num_tokens: int
-    num_tokens_after_padding: int
+    num_tokens_after_padding: int  # the token bucket
     num_reqs_after_padding: int  # the request bucket of logits and sampling
     is_sampling_np: np.ndarray  # bool [num_reqs]
     num_drafts: np.ndarray  # int32 [num_reqs]: draft tokens to verify
@@ -82,8 +89,12 @@ class InputBatch:
 
 
 def pack_step_buffer(
-    shape: StepShape, idx_mapping: np.ndarray, num_scheduled: np.ndarray, drafts: list[list[int]],
-    appends: np.ndarray, pad_slot: int,
+    shape: StepShape,
+    idx_mapping: np.ndarray,
+    num_scheduled: np.ndarray,
+    drafts: list[list[int]],
+    appends: np.ndarray,
+    pad_slot: int,
 ) -> np.ndarray:
     """``[slots | scheduled counts | draft counts | drafts | block-append triples]``, one int32 buffer.
 
@@ -104,10 +115,10 @@ def pack_step_buffer(
     return buffer
 
 
-def prepare_inputs(
+def build_step_inputs(
     state: DeviceState, step_buffer: Int[Array, "words"], shape: StepShape, block_size: int
-) -> tuple[DeviceState, Int[Array, "T"], Int[Array, "T"], AttentionMetadata, SampleRows, Int[Array, "R K1"]]:
-    """Input ids, positions, attention metadata, sample rows and logits indices (in jit).
+) -> tuple[DeviceState, Int[Array, "T"], Int[Array, "T"], AttentionMetadata, SampleRows, Int[Array, "R S+1"]]:
+    """Input ids, positions, attention metadata, sample rows and logits indices, from the step buffer (in jit).
 
     A request with drafts is decoding: its first query token is its last
     sampled token and the next ``num_drafts`` are the drafts, to be verified.
@@ -124,9 +135,7 @@ def prepare_inputs(
     take = lambda a: a.at[idx_mapping].get(mode="fill", fill_value=0)
     num_computed = take(state.num_computed_tokens)
     prefill_len = take(state.prefill_len)
-    query_start_loc = jnp.concatenate(
-        [jnp.zeros(1, jnp.int32), jnp.cumsum(num_scheduled, dtype=jnp.int32)]
-    )
+    query_start_loc = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(num_scheduled, dtype=jnp.int32)])
     seq_lens = num_computed + num_scheduled
     total = query_start_loc[-1]
 
@@ -149,9 +158,7 @@ def prepare_inputs(
         from_draft = draft_tokens.at[token_req, offset - 1].get(mode="fill", fill_value=0)
         input_ids = jnp.where((offset > 0) & (num_drafts[token_req] > 0), from_draft, input_ids)
     input_ids = jnp.where(is_real, input_ids, 0)
-    slot_mapping = compute_slot_mapping(
-        state.block_table, token_slot, positions, is_real, block_size
-    )
+    slot_mapping = compute_slot_mapping(state.block_table, token_slot, positions, is_real, block_size)
     positions = jnp.where(is_real, positions, 0)
     metadata = AttentionMetadata(
         query_start_loc=query_start_loc,
@@ -178,7 +185,7 @@ def prepare_inputs(
 
 
 def post_update(
-    state: DeviceState, rows: SampleRows, output_tokens: Int[Array, "n K1"], num_sampled: Int[Array, "n"]
+    state: DeviceState, rows: SampleRows, output_tokens: Int[Array, "R S+1"], num_sampled: Int[Array, "R"]
 ) -> DeviceState:
     """Advance computed counts by the accepted tokens; store, count and remember them (in jit).
 
@@ -202,9 +209,7 @@ def post_update(
     return dataclasses.replace(
         state,
         token_ids=state.token_ids.at[token_rows, token_pos].set(output_tokens, mode="drop"),
-        num_computed_tokens=state.num_computed_tokens.at[idx].add(
-            rows.num_scheduled[:n] - rejected, mode="drop"
-        ),
+        num_computed_tokens=state.num_computed_tokens.at[idx].add(rows.num_scheduled[:n] - rejected, mode="drop"),
         last_sampled_tokens=state.last_sampled_tokens.at[idx].set(
             jnp.where(sampling_rows, last, keep_old), mode="drop"
         ),

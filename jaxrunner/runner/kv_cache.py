@@ -84,7 +84,10 @@ def determine_num_blocks(
         num_blocks = budget // bytes_per_block
         logger.info(
             "KV cache: %.2f GiB limit, %.2f GiB in use, %.2f GiB activations -> %d blocks",
-            limit / 2**30, stats["bytes_in_use"] / 2**30, activation_bytes / 2**30, num_blocks,
+            limit / 2**30,
+            stats["bytes_in_use"] / 2**30,
+            activation_bytes / 2**30,
+            num_blocks,
         )
     if num_blocks < 2:
         raise ValueError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +28,7 @@ from jaxrunner.sample.sampling_state import (
 )
 
 
-def new_request_layout(
-    max_model_len: int, max_blocks: int, config: SamplerConfig, vocab_size: int
-) -> RowLayout:
+def new_request_layout(max_model_len: int, max_blocks: int, config: SamplerConfig, vocab_size: int) -> RowLayout:
     """The packed row of one new request: counts, sampling fields, block ids, tokens."""
     return RowLayout(
         (("slot", 1, "i32"), ("prefill_len", 1, "i32"), ("num_computed", 1, "i32"), ("prompt_len", 1, "i32"))
@@ -54,11 +53,16 @@ class DeviceState:
     block_table: Int[Array, "max_reqs max_blocks"]
     sampling: SamplingArrays
     # Drafts a draft model proposed on the device for each request's next step.
-    draft_tokens: Int[Array, "max_reqs K"]
+    draft_tokens: Int[Array, "max_reqs S"]
 
     @classmethod
     def zeros(
-        cls, max_num_reqs: int, max_model_len: int, max_blocks: int, config: SamplerConfig, vocab_size: int,
+        cls,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks: int,
+        config: SamplerConfig,
+        vocab_size: int,
         num_spec: int = 0,
     ) -> DeviceState:
         """State for ``max_num_reqs`` slots, all unused."""
@@ -95,8 +99,13 @@ class RequestState:
     """Slot bookkeeping on the host, and the packing of new requests for the device."""
 
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, max_blocks: int, seed: int,
-        sampler_config: SamplerConfig, vocab_size: int,
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks: int,
+        seed: int,
+        sampler_config: SamplerConfig,
+        vocab_size: int,
     ):
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -105,9 +114,7 @@ class RequestState:
         self.vocab_size = vocab_size
         self.layout = new_request_layout(max_model_len, max_blocks, sampler_config, vocab_size)
         self.req_id_to_index: dict[str, int] = {}
-        self.index_to_req_id: dict[int, str] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
-        self.prompt_len = np.zeros(max_num_reqs, np.int32)
         self.prefill_len = np.zeros(max_num_reqs, np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
         self.num_logprobs = np.zeros(max_num_reqs, np.int32)
@@ -115,16 +122,6 @@ class RequestState:
         self.plain_sampling = np.zeros(max_num_reqs, np.bool_)
         self._seed_rng = random.Random(seed)
         self._staged_rows: list[np.ndarray] = []
-
-    @property
-    def row_words(self) -> int:
-        """int32 words of a request's packed row."""
-        return self.layout.width
-
-    @property
-    def num_reqs(self) -> int:
-        """Requests holding a slot."""
-        return len(self.req_id_to_index)
 
     def add_request(self, new_req: NewRequestData) -> int:
         """Give a request a slot and stage its row; checks what the device cannot."""
@@ -150,13 +147,9 @@ class RequestState:
                 f"No free request slot for {req_id!r}: {self.max_num_reqs} requests are running "
                 "(SchedulerConfig.max_num_seqs)."
             )
-        sampling = pack_sampling_params(
-            new_req.sampling_params, self._seed_rng, self.sampler_config, self.vocab_size
-        )
+        sampling = pack_sampling_params(new_req.sampling_params, self._seed_rng, self.sampler_config, self.vocab_size)
         slot = self._free_slots.pop()
         self.req_id_to_index[req_id] = slot
-        self.index_to_req_id[slot] = req_id
-        self.prompt_len[slot] = len(new_req.prompt_token_ids)
         self.prefill_len[slot] = len(tokens)
         self.num_computed_tokens[slot] = new_req.num_computed_tokens
         self.num_logprobs[slot] = sampling["num_logprobs"]
@@ -164,8 +157,12 @@ class RequestState:
         self._staged_rows.append(
             self.layout.pack(
                 dict(
-                    slot=slot, prefill_len=len(tokens), num_computed=new_req.num_computed_tokens,
-                    prompt_len=len(new_req.prompt_token_ids), block_ids=block_ids, tokens=tokens,
+                    slot=slot,
+                    prefill_len=len(tokens),
+                    num_computed=new_req.num_computed_tokens,
+                    prompt_len=len(new_req.prompt_token_ids),
+                    block_ids=block_ids,
+                    tokens=tokens,
                     **sampling,
                 )
             )
@@ -177,7 +174,6 @@ class RequestState:
         slot = self.req_id_to_index.pop(req_id, None)
         if slot is None:
             return
-        del self.index_to_req_id[slot]
         self._free_slots.append(slot)
 
     def take_staged_rows(self, num_rows: int) -> np.ndarray | None:
@@ -193,3 +189,16 @@ class RequestState:
     def num_staged(self) -> int:
         """Rows staged for the device and not written yet."""
         return len(self._staged_rows)
+
+
+class RequestFeatureState(Protocol):
+    """One runner feature's per-request state, kept beside the slots (vLLM's ``gpu/sample/`` states).
+
+    The runner hands every feature each new request with its slot, and each
+    finished or preempted request's id. A feature whose state lives on the device
+    stages the new rows in ``add_request`` and writes them with the step.
+    """
+
+    def add_request(self, new_req: NewRequestData, slot: int) -> None: ...
+
+    def remove_request(self, req_id: str) -> None: ...

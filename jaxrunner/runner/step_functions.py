@@ -1,8 +1,11 @@
 """The pure functions the runner compiles: one forward step, one sampling step, prompt logprobs.
 
-They close over nothing but ``StepStatics`` (graphs and static sizes); the
-parameters, KV caches and device state are arguments, so each bucket compiles
-to one program and the caches and state can be donated.
+They close over nothing but ``StepStatics`` (graphs, static sizes, the attention
+backend); the parameters, KV caches and device state are arguments, so each
+bucket compiles to one program and the caches and state can be donated.
+
+Dimensions: T tokens (the token bucket), R request rows (the request bucket),
+max_reqs request slots, S drafts per request, E hidden, W grammar bitmask words.
 """
 
 from __future__ import annotations
@@ -13,12 +16,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxrunner.config import SamplerConfig
-from jaxrunner.runner.input_batch import SampleRows, StepShape, post_update, prepare_inputs
-from jaxrunner.sample.logprobs import compute_logprobs
-from jaxrunner.sample.sampler import prepare_logits, sample
+from jaxrunner.models import CausalLM
+from jaxrunner.ops import AttentionBackend
+from jaxrunner.runner.input_batch import SampleRows, StepShape, build_step_inputs, post_update
+from jaxrunner.runner.kv_cache import KVCaches
+from jaxrunner.runner.spec_decode.drafter import Drafter
+from jaxrunner.runner.states import DeviceState
+from jaxrunner.sample.logprobs import LogprobsTensors, compute_logprobs
 from jaxrunner.sample.rejection_sampler import rejection_sample
+from jaxrunner.sample.sampler import prepare_logits, sample
+
+ParamLeaves = list[jax.Array]
+"""A module's parameters as the flat list of their leaves."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,31 +44,44 @@ class StepStatics:
     graphdef: nnx.GraphDef
     params_treedef: Any
     draft_params_treedef: Any
-    drafter: Any | None  # a DraftModel or EagleDrafter: proposes drafts on the device
+    drafter: Drafter | None  # proposes drafts on the device
+    attention_backend: AttentionBackend  # the attention ops' implementation, resolved for the runner's mesh
     block_size: int
     max_num_reqs: int
     num_spec: int
     sampler_config: SamplerConfig
 
-    def model(self, param_leaves: list) -> nnx.Module:
+    def model(self, param_leaves: ParamLeaves) -> CausalLM:
         """The model, rebuilt from its graph and the flat parameter leaves."""
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.params_treedef, param_leaves))
 
-    def draft_params(self, draft_leaves: list) -> Any:
+    def draft_params(self, draft_leaves: ParamLeaves) -> Any:
         """The drafter's parameters, rebuilt from their flat leaves (None without a drafter)."""
         return jax.tree.unflatten(self.draft_params_treedef, draft_leaves)
 
 
-def forward(statics: StepStatics, params, draft_params, kv_caches, draft_kv, state, step_buffer, *, shape: StepShape):
-    """Input preparation, the model (and the drafter's pass), and the hidden rows to sample."""
-    model = statics.model(params)
-    draft_params = statics.draft_params(draft_params)
-    state, input_ids, positions, metadata, rows, row_index = prepare_inputs(
+def forward(
+    statics: StepStatics,
+    param_leaves: ParamLeaves,
+    draft_leaves: ParamLeaves,
+    kv_caches: KVCaches,
+    draft_kv: KVCaches,
+    state: DeviceState,
+    step_buffer: Int[Array, "words"],
+    *,
+    shape: StepShape,
+) -> tuple[KVCaches, KVCaches, DeviceState, Float[Array, "max_reqs S+1 E"], SampleRows, Float[Array, "T E"]]:
+    """The step's inputs from its buffer, the model (and the drafter's pass), and the hidden rows to sample."""
+    model = statics.model(param_leaves)
+    draft_params = statics.draft_params(draft_leaves)
+    state, input_ids, positions, metadata, rows, row_index = build_step_inputs(
         state, step_buffer, shape, statics.block_size
     )
-    hidden, kv_caches = model(input_ids, positions, kv_caches, metadata)
+    hidden, kv_caches = model(input_ids, positions, kv_caches, metadata, statics.attention_backend)
     if statics.drafter is not None:
-        draft_kv = statics.drafter.on_step(draft_params, draft_kv, model, input_ids, positions, metadata, hidden)
+        draft_kv = statics.drafter.on_step(
+            draft_params, draft_kv, model, input_ids, positions, metadata, hidden, statics.attention_backend
+        )
     sample_hidden = hidden[row_index]  # [requests, 1 + drafts, hidden]
     pad = statics.max_num_reqs - shape.num_reqs
     sample_hidden = jnp.pad(sample_hidden, ((0, pad), (0, 0), (0, 0)))
@@ -64,24 +89,41 @@ def forward(statics: StepStatics, params, draft_params, kv_caches, draft_kv, sta
 
 
 def sample_step(
-    statics: StepStatics, params, draft_params, draft_kv, sample_hidden, rows: SampleRows, state,
-    grammar_bitmask, grammar_active, *, num_rows: int, plain: bool = False,
-):
+    statics: StepStatics,
+    param_leaves: ParamLeaves,
+    draft_leaves: ParamLeaves,
+    draft_kv: KVCaches,
+    sample_hidden: Float[Array, "max_reqs S+1 E"],
+    rows: SampleRows,
+    state: DeviceState,
+    grammar_bitmask: Int[Array, "R W"] | None,
+    grammar_active: Bool[Array, "R"] | None,
+    *,
+    num_rows: int,
+    plain: bool = False,
+) -> tuple[KVCaches, DeviceState, Int[Array, "R S+1"], LogprobsTensors | None]:
     """Logits, sampling (or verification of drafts), the post-update, and the next drafts.
 
     ``plain``: the batch uses no sampling stage before the draw and asks for no
     logprobs (``sample``'s plain path; without drafts only).
     """
-    model = statics.model(params)
-    draft_params = statics.draft_params(draft_params)
+    model = statics.model(param_leaves)
+    draft_params = statics.draft_params(draft_leaves)
     config = statics.sampler_config
     head = jax.tree.map(lambda a: a[:num_rows], rows)
     if statics.num_spec == 0:
         logits = model.compute_logits(sample_hidden[:num_rows, 0])
         output = sample(
-            logits, state.sampling, state.token_ids, head.idx_mapping, head.positions[:, 0],
-            grammar_bitmask, grammar_active,
-            max_logprobs=config.max_logprobs, logprobs_mode=config.logprobs_mode, plain=plain,
+            logits,
+            state.sampling,
+            state.token_ids,
+            head.idx_mapping,
+            head.positions[:, 0],
+            grammar_bitmask,
+            grammar_active,
+            max_logprobs=config.max_logprobs,
+            logprobs_mode=config.logprobs_mode,
+            plain=plain,
         )
         tokens = output.sampled_token_ids[:, None]
         state = post_update(state, rows, tokens, jnp.ones(num_rows, jnp.int32))
@@ -94,13 +136,24 @@ def sample_step(
     repeat = lambda a: jnp.repeat(a, k1, axis=0)
     unflat = lambda a: a.reshape(num_rows, k1, *a.shape[1:])
     prepared = prepare_logits(
-        model.compute_logits(flat(sample_hidden[:num_rows])), state.sampling, state.token_ids,
-        repeat(head.idx_mapping), flat(head.positions), repeat(grammar_bitmask), repeat(grammar_active),
+        model.compute_logits(flat(sample_hidden[:num_rows])),
+        state.sampling,
+        state.token_ids,
+        repeat(head.idx_mapping),
+        flat(head.positions),
+        repeat(grammar_bitmask),
+        repeat(grammar_active),
     )
     verify = jnp.where(prepared.is_greedy[:, None], prepared.processed, prepared.tempered)
     tokens, num_sampled = rejection_sample(
-        unflat(verify), head.draft_tokens, head.num_drafts, None, unflat(prepared.is_greedy)[:, 0],
-        prepared.rows.seed_lo[::k1], prepared.rows.seed_hi[::k1], head.positions,
+        unflat(verify),
+        head.draft_tokens,
+        head.num_drafts,
+        None,
+        unflat(prepared.is_greedy)[:, 0],
+        prepared.rows.seed_lo[::k1],
+        prepared.rows.seed_hi[::k1],
+        head.positions,
     )
     state = post_update(state, rows, tokens, num_sampled)
     if statics.drafter is not None:
@@ -113,45 +166,87 @@ def sample_step(
 
 
 def decode_steps(
-    statics: StepStatics, params, draft_params, kv_caches, draft_kv, state, step_buffer,
-    *, shape: StepShape, num_rows: int, num_steps: int,
-):
+    statics: StepStatics,
+    param_leaves: ParamLeaves,
+    draft_leaves: ParamLeaves,
+    kv_caches: KVCaches,
+    draft_kv: KVCaches,
+    state: DeviceState,
+    step_buffer: Int[Array, "words"],
+    *,
+    shape: StepShape,
+    num_rows: int,
+    num_steps: int,
+) -> tuple[KVCaches, KVCaches, DeviceState, Int[Array, "R num_steps"]]:
     """``num_steps`` decode steps back to back (multi-step scheduling): each a forward step and
     the plain sampling step, each step's sampled tokens the next one's inputs, all on the device.
 
     Returns the caches, the state and the tokens ``[num_rows, num_steps]``. The steps are
     unrolled, not a device loop: XLA reads a while loop's condition back on the host at
-    every iteration (see ``prepare_inputs``), which would hold the calling thread until
+    every iteration (see ``build_step_inputs``), which would hold the calling thread until
     the last step and leave no host work to overlap.
     """
     tokens = []
     for _ in range(num_steps):
         kv_caches, draft_kv, state, sample_hidden, rows, _ = forward(
-            statics, params, draft_params, kv_caches, draft_kv, state, step_buffer, shape=shape
+            statics, param_leaves, draft_leaves, kv_caches, draft_kv, state, step_buffer, shape=shape
         )
         draft_kv, state, step_tokens, _ = sample_step(  # the plain path takes no grammar
-            statics, params, draft_params, draft_kv, sample_hidden, rows, state, None, None,
-            num_rows=num_rows, plain=True,
+            statics,
+            param_leaves,
+            draft_leaves,
+            draft_kv,
+            sample_hidden,
+            rows,
+            state,
+            None,
+            None,
+            num_rows=num_rows,
+            plain=True,
         )
         tokens.append(step_tokens)
     return kv_caches, draft_kv, state, jnp.concatenate(tokens, axis=1)
 
 
-def _propose_on_device(statics: StepStatics, model, draft_params, draft_kv, state, head: SampleRows, features):
+def _propose_on_device(
+    statics: StepStatics,
+    model: CausalLM,
+    draft_params: Any,
+    draft_kv: KVCaches,
+    state: DeviceState,
+    head: SampleRows,
+    features: Float[Array, "R E"],
+) -> tuple[KVCaches, DeviceState]:
     """Next step's drafts from each sampling row's new last token, left on the device."""
+    assert statics.drafter is not None
     idx = head.idx_mapping
     take = lambda a: a.at[idx].get(mode="fill", fill_value=0)
     draft_kv, drafts = statics.drafter.propose(
-        draft_params, draft_kv, model, state.block_table, idx,
-        take(state.last_sampled_tokens), take(state.num_computed_tokens), features, head.is_sampling,
-        statics.num_spec, statics.block_size,
+        draft_params,
+        draft_kv,
+        model,
+        state.block_table,
+        idx,
+        take(state.last_sampled_tokens),
+        take(state.num_computed_tokens),
+        features,
+        head.is_sampling,
+        statics.num_spec,
+        statics.block_size,
+        statics.attention_backend,
     )
     return draft_kv, dataclasses.replace(state, draft_tokens=state.draft_tokens.at[idx].set(drafts, mode="drop"))
 
 
-def prompt_logprobs(statics: StepStatics, params, hidden, targets, num_logprobs):
+def prompt_logprobs(
+    statics: StepStatics,
+    param_leaves: ParamLeaves,
+    hidden: Float[Array, "T E"],
+    targets: Int[Array, "T"],
+    num_logprobs: Int[Array, "T"],
+) -> LogprobsTensors:
     """Raw logprobs of each next prompt token, in row chunks to bound the logits' memory."""
-    model = statics.model(params)
+    model = statics.model(param_leaves)
     chunk = min(hidden.shape[0], 256)
     pad = -hidden.shape[0] % chunk
     split = lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])

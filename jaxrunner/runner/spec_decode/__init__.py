@@ -1,1 +1,1 @@
-"""Speculative decoding: verifying draft tokens against the target model."""
+"""Speculative decoding on the device: the ``Drafter`` protocol and its proposers (a draft model, an EAGLE head)."""

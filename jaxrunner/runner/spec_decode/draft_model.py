@@ -11,33 +11,13 @@ arrays, so the block table serves both.
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrunner.runner.block_table import compute_slot_mapping
-from jaxrunner.runner.kv_cache import KVCaches, KVCacheSpec
 from jaxrunner.models import CausalLM
-from jaxrunner.ops import AttentionMetadata
-
-
-@dataclasses.dataclass
-class DeviceDrafter:
-    """A proposer module split for jit: its graph, its parameters and its KV cache's spec."""
-
-    graphdef: nnx.GraphDef
-    params: nnx.State
-    kv_spec: KVCacheSpec
-
-    @classmethod
-    def split(cls, module: nnx.Module, block_size: int, kv_dtype):
-        """A drafter of ``module``: its graph, its parameters and the spec of its KV cache (``block_size``, ``kv_dtype``)."""
-        config = module.config
-        graphdef, params = nnx.split(module)
-        spec = KVCacheSpec(config.num_layers, block_size, config.num_kv_heads, config.head_dim, kv_dtype)
-        return cls(graphdef, params, spec)
+from jaxrunner.ops import AttentionBackend, AttentionMetadata
+from jaxrunner.runner.kv_cache import KVCaches
+from jaxrunner.runner.spec_decode.drafter import DeviceDrafter, decode_drafts
 
 
 class DraftModel(DeviceDrafter):
@@ -54,20 +34,36 @@ class DraftModel(DeviceDrafter):
         return cls.split(model, block_size, kv_dtype)
 
     def on_step(
-        self, params: nnx.State, kv_caches: KVCaches, target: CausalLM,
-        input_ids: Int[Array, "T"], positions: Int[Array, "T"], metadata: AttentionMetadata,
+        self,
+        params: nnx.State,
+        kv_caches: KVCaches,
+        target: CausalLM,
+        input_ids: Int[Array, "T"],
+        positions: Int[Array, "T"],
+        metadata: AttentionMetadata,
         hidden: Float[Array, "T E"],
+        attention_backend: AttentionBackend,
     ) -> KVCaches:
         """The draft's KV for this step's tokens (its outputs are not needed)."""
-        _, kv_caches = nnx.merge(self.graphdef, params)(input_ids, positions, kv_caches, metadata)
+        model = nnx.merge(self.graphdef, params)
+        _, kv_caches = model(input_ids, positions, kv_caches, metadata, attention_backend)
         return kv_caches
 
     def propose(
-        self, params: nnx.State, kv_caches: KVCaches, target: CausalLM,
-        block_table: Int[Array, "R max_blocks"], slots: Int[Array, "n"], last_tokens: Int[Array, "n"],
-        positions: Int[Array, "n"], features: Float[Array, "n E"], active: Bool[Array, "n"],
-        num_drafts: int, block_size: int,
-    ) -> tuple[KVCaches, Int[Array, "n k"]]:
+        self,
+        params: nnx.State,
+        kv_caches: KVCaches,
+        target: CausalLM,
+        block_table: Int[Array, "R max_blocks"],
+        slots: Int[Array, "R"],
+        last_tokens: Int[Array, "R"],
+        positions: Int[Array, "R"],
+        features: Float[Array, "R E"],
+        active: Bool[Array, "R"],
+        num_drafts: int,
+        block_size: int,
+        attention_backend: AttentionBackend,
+    ) -> tuple[KVCaches, Int[Array, "R S"]]:
         """Greedy drafts: ``num_drafts`` one-token passes from each active row's last token.
 
         ``positions`` is the position of ``last_tokens``; ``features`` (the
@@ -77,29 +73,9 @@ class DraftModel(DeviceDrafter):
         model = nnx.merge(self.graphdef, params)
 
         def step(tokens, feats, metadata, pos, caches):
-            hidden, caches = model(tokens, pos, caches, metadata)
+            hidden, caches = model(tokens, pos, caches, metadata, attention_backend)
             return model.compute_logits(hidden), hidden, caches
 
-        return decode_drafts(step, kv_caches, block_table, slots, last_tokens, positions, features, active,
-                             num_drafts, block_size)
-
-
-def decode_drafts(step, kv_caches, block_table, slots, last_tokens, positions, features, active,
-                  num_drafts: int, block_size: int):
-    """Run ``step`` (one token per row) ``num_drafts`` times, feeding back argmax tokens and features."""
-    n = slots.shape[0]
-    tables = block_table.at[slots].get(mode="fill", fill_value=0)
-    drafts = []
-    tokens, feats, pos = last_tokens, features, positions
-    for _ in range(num_drafts):
-        metadata = AttentionMetadata(
-            query_start_loc=jnp.arange(n + 1, dtype=jnp.int32),
-            seq_lens=jnp.where(active, pos + 1, 0),
-            block_tables=tables,
-            slot_mapping=compute_slot_mapping(block_table, slots, pos, active, block_size),
+        return decode_drafts(
+            step, kv_caches, block_table, slots, last_tokens, positions, features, active, num_drafts, block_size
         )
-        logits, feats, kv_caches = step(tokens, feats, metadata, jnp.where(active, pos, 0), kv_caches)
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        drafts.append(tokens)
-        pos = pos + 1
-    return kv_caches, jnp.stack(drafts, axis=1)

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrunner.runner.kv_cache import KVCaches
 from jaxrunner.models import CausalLM
 from jaxrunner.models.eagle import EagleHead
-from jaxrunner.ops import AttentionMetadata
-from jaxrunner.runner.spec_decode.draft_model import DeviceDrafter, decode_drafts
+from jaxrunner.ops import AttentionBackend, AttentionMetadata
+from jaxrunner.runner.kv_cache import KVCaches
+from jaxrunner.runner.spec_decode.drafter import DeviceDrafter, decode_drafts
 
 
 class EagleDrafter(DeviceDrafter):
@@ -35,34 +35,54 @@ class EagleDrafter(DeviceDrafter):
         return cls.split(head, block_size, kv_dtype)
 
     def on_step(
-        self, params: nnx.State, kv_caches: KVCaches, target: CausalLM,
-        input_ids: Int[Array, "T"], positions: Int[Array, "T"], metadata: AttentionMetadata,
+        self,
+        params: nnx.State,
+        kv_caches: KVCaches,
+        target: CausalLM,
+        input_ids: Int[Array, "T"],
+        positions: Int[Array, "T"],
+        metadata: AttentionMetadata,
         hidden: Float[Array, "T E"],
+        attention_backend: AttentionBackend,
     ) -> KVCaches:
         """The head's KV at every position whose next token is known this step."""
         head = nnx.merge(self.graphdef, params)
         next_ids = jnp.concatenate([input_ids[1:], jnp.zeros(1, input_ids.dtype)])
         last = jnp.zeros(input_ids.shape[0], bool).at[metadata.query_start_loc[1:] - 1].set(True, mode="drop")
         skip_last = AttentionMetadata(
-            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_tables,
             jnp.where(last, -1, metadata.slot_mapping),
         )
-        _, kv_caches = head(target.model.embed_tokens(next_ids), hidden, positions, kv_caches, skip_last)
+        _, kv_caches = head(
+            target.model.embed_tokens(next_ids), hidden, positions, kv_caches, skip_last, attention_backend
+        )
         return kv_caches
 
     def propose(
-        self, params: nnx.State, kv_caches: KVCaches, target: CausalLM,
-        block_table: Int[Array, "R max_blocks"], slots: Int[Array, "n"], last_tokens: Int[Array, "n"],
-        positions: Int[Array, "n"], features: Float[Array, "n E"], active: Bool[Array, "n"],
-        num_drafts: int, block_size: int,
-    ) -> tuple[KVCaches, Int[Array, "n k"]]:
+        self,
+        params: nnx.State,
+        kv_caches: KVCaches,
+        target: CausalLM,
+        block_table: Int[Array, "R max_blocks"],
+        slots: Int[Array, "R"],
+        last_tokens: Int[Array, "R"],
+        positions: Int[Array, "R"],
+        features: Float[Array, "R E"],
+        active: Bool[Array, "R"],
+        num_drafts: int,
+        block_size: int,
+        attention_backend: AttentionBackend,
+    ) -> tuple[KVCaches, Int[Array, "R S"]]:
         """Greedy drafts from each row's last token (at ``positions``) and the feature before it."""
         head = nnx.merge(self.graphdef, params)
 
         def step(tokens, feats, metadata, pos, caches):
-            predicted, caches = head(target.model.embed_tokens(tokens), feats, pos, caches, metadata)
+            predicted, caches = head(target.model.embed_tokens(tokens), feats, pos, caches, metadata, attention_backend)
             return target.compute_logits(predicted), predicted, caches
 
         # The pair (feature at p, token at p + 1) sits at position p, as in on_step.
-        return decode_drafts(step, kv_caches, block_table, slots, last_tokens, positions - 1, features, active,
-                             num_drafts, block_size)
+        return decode_drafts(
+            step, kv_caches, block_table, slots, last_tokens, positions - 1, features, active, num_drafts, block_size
+        )

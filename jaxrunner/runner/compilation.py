@@ -1,0 +1,416 @@
+"""The one owner of what the runner compiles, and how.
+
+Static-shape bucketing plays the role CUDA graphs play in vLLM: every step
+runs one of a fixed set of programs, compiled ahead of time. This module holds
+the bucket ladders, lowers each program with its donations and output
+shardings, compiles it with XLA's options for its size, precompiles them all
+(``capture_model``), measures the largest steps' activations (``profile_run``),
+and counts compiles: a compile after warm-up is a bug. It is built from
+explicit inputs (the programs' statics, the abstract shapes and shardings of
+their arguments, the configuration) and holds nothing of the runner.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import monitoring
+from tqdm.auto import tqdm
+
+from jaxrunner.config import CompilationConfig
+from jaxrunner.runner import step_functions
+from jaxrunner.runner.block_table import BlockTables
+from jaxrunner.runner.input_batch import SampleRows, StepShape
+from jaxrunner.runner.kv_cache import KVCaches, KVCacheSpec
+from jaxrunner.runner.packed_rows import RowLayout
+from jaxrunner.runner.states import DeviceState, write_new_requests
+from jaxrunner.runner.step_functions import StepStatics
+from jaxrunner.sample.sampling_state import bitmask_words
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+# Blocks of the throw-away KV cache the profile run compiles against.
+_PROFILE_NUM_BLOCKS = 16
+
+CompilerOptions = dict[str, str | bool | int]
+
+# ---------------------------------------------------------------- ladders
+
+
+def default_ladder(max_size: int) -> list[int]:
+    """Bucket sizes up to ``max_size``: dense where decode batches live, sparse above.
+
+    1, 2, 4, 8, then steps of 8 to 64, 16 to 256, then two sizes per octave
+    (256, 384, 512, 768, ...). ``max_size`` itself is always the last bucket.
+    """
+    sizes = [1, 2, 4, 8]
+    sizes += list(range(16, 65, 8)) + list(range(80, 257, 16))
+    octave = 256
+    while octave < max_size:
+        sizes += [octave + octave // 2, octave * 2]
+        octave *= 2
+    return sorted({s for s in sizes if s < max_size} | {max_size})
+
+
+def make_ladder(requested: Iterable[int] | None, max_size: int, name: str) -> list[int]:
+    """The configured ladder, checked, or the default one; it always reaches ``max_size``."""
+    if requested is None:
+        return default_ladder(max_size)
+    ladder = sorted(set(int(b) for b in requested))
+    if ladder[-1] < max_size:
+        raise ValueError(
+            f"CompilationConfig.{name} must reach {max_size} (the scheduler's limit); "
+            f"its largest bucket is {ladder[-1]}. Add {max_size} to the ladder."
+        )
+    return ladder
+
+
+def pad_to_bucket(size: int, ladder: list[int], what: str) -> int:
+    """The smallest bucket that holds ``size``; a clear error past the largest."""
+    i = bisect.bisect_left(ladder, size)
+    if i == len(ladder):
+        raise ValueError(
+            f"A batch of {size} {what} exceeds the largest bucket ({ladder[-1]}). "
+            f"Raise the scheduler limit and the bucket ladder, or schedule fewer {what} per step."
+        )
+    return ladder[i]
+
+
+# ------------------------------------------------- process-wide compilation
+
+
+class CompileCounter:
+    """Counts every XLA program JAX builds in this process (compiled or read from cache).
+
+    JAX reports each backend compilation through ``jax.monitoring``; counting
+    that event catches compiles our own code does not know it triggers, such
+    as an eager op on a new shape.
+    """
+
+    _lock = threading.Lock()
+    _count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        """Start counting backend compiles (once per process; later calls do nothing)."""
+        with cls._lock:
+            if cls._installed:
+                return
+            monitoring.register_event_duration_secs_listener(cls._on_event)
+            cls._installed = True
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **kwargs: Any) -> None:
+        if event == _BACKEND_COMPILE_EVENT:
+            with cls._lock:
+                cls._count += 1
+
+    @classmethod
+    def count(cls) -> int:
+        """Backend compiles since ``install``."""
+        cls.install()
+        return cls._count
+
+
+def enable_compilation_cache(cache_dir: str) -> None:
+    """Count compiles from now on, and keep every program in JAX's persistent cache at ``cache_dir`` ("": off).
+
+    JAX skips programs that compile in under a second by default, which would
+    leave the small sampling programs uncached.
+    """
+    CompileCounter.install()
+    if not cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+# ------------------------------------------------------------------ programs
+
+
+class CompiledPrograms:
+    """Ahead-of-time compiled programs of one jitted function, one per bucket.
+
+    ``get(bucket)`` returns the program for a bucket, compiling it on first
+    use; ``num_compiled`` counts the buckets compiled so far.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        lower: Callable[[Any], jax.stages.Lowered],
+        compiler_options: Callable[[Any], CompilerOptions] = lambda bucket: {},
+    ):
+        self.name = name
+        self._lower = lower
+        self._compiler_options = compiler_options
+        self._programs: dict[Hashable, jax.stages.Compiled] = {}
+
+    def get(self, bucket: Hashable) -> jax.stages.Compiled:
+        """The program for ``bucket``, lowered and compiled (with the bucket's ``compiler_options``) on first use."""
+        program = self._programs.get(bucket)
+        if program is None:
+            program = self._lower(bucket).compile(compiler_options=self._compiler_options(bucket))
+            self._programs[bucket] = program
+        return program
+
+    @property
+    def num_compiled(self) -> int:
+        """How many buckets have a compiled program."""
+        return len(self._programs)
+
+    def memory_bytes(self) -> dict[str, dict[str, int]]:
+        """XLA's memory analysis of each compiled program, by bucket: argument, output, aliased
+        (donated inputs reused as outputs) and temporary bytes. A program whose temporaries hold a
+        copy of its donated inputs shows it here before it runs out of memory."""
+        sizes = {}
+        for bucket, program in self._programs.items():
+            analysis = program.memory_analysis()
+            if analysis is not None:
+                sizes[str(bucket)] = {
+                    field: int(getattr(analysis, f"{field}_size_in_bytes"))
+                    for field in ("argument", "output", "alias", "temp", "generated_code")
+                }
+        return sizes
+
+
+def abstract(tree: Any) -> Any:
+    """Shape, dtype and sharding of every array in ``tree``."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramInputs:
+    """Shapes, dtypes and shardings of the step programs' arguments: all that lowering them needs."""
+
+    params: list[jax.ShapeDtypeStruct]  # the model's parameter leaves
+    draft_params: list[jax.ShapeDtypeStruct]  # the drafter's (empty without one)
+    device_state: DeviceState  # of ShapeDtypeStructs
+    kv_cache: KVCacheSpec
+    draft_kv_cache: KVCacheSpec | None
+    hidden: jax.ShapeDtypeStruct  # one token's hidden state, [E]
+    new_request_layout: RowLayout
+    vocab_size: int
+    cache_sharding: jax.sharding.Sharding  # the KV caches': split on KV heads
+    replicated: jax.sharding.Sharding  # everything else's
+
+
+class CompilationManager:
+    """The runner's programs, one per bucket: lowered, compiled and precompiled here.
+
+    ``forward`` (token bucket), ``sample`` ((request bucket, plain path)),
+    ``write_new_requests`` (request bucket), ``decode_steps`` ((token bucket,
+    request bucket, steps)) and ``prompt_logprobs`` (token bucket). Programs that
+    take the KV cache are lowered for ``num_blocks`` blocks, set once the cache is
+    sized.
+    """
+
+    def __init__(
+        self,
+        config: CompilationConfig,
+        statics: StepStatics,
+        inputs: ProgramInputs,
+        *,
+        max_num_tokens: int,
+        decode_step_counts: tuple[int, ...],
+    ):
+        self.config = config
+        self.statics = statics
+        self.inputs = inputs
+        self.decode_step_counts = decode_step_counts
+        self.token_buckets = make_ladder(config.token_buckets, max_num_tokens, "token_buckets")
+        self.request_buckets = make_ladder(config.request_buckets, statics.max_num_reqs, "request_buckets")
+        self.step_shapes = {b: self._step_shape(b) for b in self.token_buckets}
+        self.num_blocks: int | None = None
+        options, options_of_first = self.compiler_options, lambda key: self.compiler_options(key[0])
+        self.forward = CompiledPrograms("forward", lambda b: self._lower_forward(b, self._kv_blocks()), options)
+        self.sample = CompiledPrograms(
+            "sample", lambda key: self._lower_sample(key[0], self._kv_blocks(), plain=key[1]), options_of_first
+        )
+        self.write_new_requests = CompiledPrograms("write_new_requests", self._lower_write_new_requests)
+        self.decode_steps = CompiledPrograms(
+            "decode_steps", lambda key: self._lower_decode_steps(*key, num_blocks=self._kv_blocks()), options_of_first
+        )
+        self.prompt_logprobs = CompiledPrograms("prompt_logprobs", self._lower_prompt_logprobs, options)
+        # Outputs keep the inputs' layout: caches split on KV heads, everything else replicated.
+        cache, whole = inputs.cache_sharding, inputs.replicated
+        self._sample_jit = jax.jit(
+            functools.partial(step_functions.sample_step, statics),
+            static_argnames=("num_rows", "plain"),
+            donate_argnums=(2, 5),
+            out_shardings=(cache, whole, whole, whole),
+        )
+
+    @property
+    def programs(self) -> tuple[CompiledPrograms, ...]:
+        return (self.forward, self.sample, self.write_new_requests, self.decode_steps, self.prompt_logprobs)
+
+    def compiler_options(self, num_rows: int) -> CompilerOptions:
+        """XLA's options for a step program over ``num_rows`` rows (tokens, or requests to sample)."""
+        return self.config.step_compiler_options(num_rows)
+
+    def token_bucket(self, num_tokens: int) -> int:
+        return pad_to_bucket(num_tokens, self.token_buckets, "tokens")
+
+    def request_bucket(self, num_reqs: int, what: str = "requests") -> int:
+        return pad_to_bucket(num_reqs, self.request_buckets, what)
+
+    # ------------------------------------------------------------ precompile
+
+    def capture_model(self) -> float:
+        """Precompile every program of every bucket (the counterpart of CUDA graph capture); returns seconds."""
+        start = time.perf_counter()
+        jobs = [(self.forward, b) for b in self.token_buckets]
+        jobs += [(self.sample, (b, plain)) for b in self.request_buckets for plain in self.sample_paths]
+        jobs += [(self.write_new_requests, b) for b in self.request_buckets]
+        jobs += [(self.decode_steps, key) for key in self.decode_steps_keys()]
+        jobs += [(self.prompt_logprobs, b) for b in self.token_buckets]
+        for programs, bucket in tqdm(jobs, desc="Precompiling buckets", leave=False):
+            programs.get(bucket)
+        return time.perf_counter() - start
+
+    @property
+    def sample_paths(self) -> tuple[bool, ...]:
+        """The sampling programs' ``plain`` values: the plain path exists without drafts only."""
+        return (False,) if self.statics.num_spec else (False, True)
+
+    def decode_steps_keys(self) -> list[tuple[int, int, int]]:
+        """(token bucket, request bucket, steps) of every round of several decode steps the scheduler can make."""
+        largest = min(self.statics.max_num_reqs, self.token_buckets[-1])
+        buckets = {(self.token_bucket(n), self.request_bucket(n)) for n in range(1, largest + 1)}
+        return [(t, r, k) for t, r in sorted(buckets) for k in self.decode_step_counts[1:]]
+
+    @property
+    def num_compiled_programs(self) -> int:
+        """Programs compiled so far over all buckets (flat after ``capture_model``)."""
+        return sum(p.num_compiled for p in self.programs)
+
+    def program_memory_bytes(self) -> dict[str, dict[str, dict[str, int]]]:
+        """XLA's memory analysis of every compiled program, by kind and bucket."""
+        return {p.name: p.memory_bytes() for p in self.programs}
+
+    def profile_run(self) -> int:
+        """Activation bytes of the largest steps, from XLA's memory analysis of their programs."""
+        tokens, reqs = self.token_buckets[-1], self.request_buckets[-1]
+        forward = self._lower_forward(tokens, _PROFILE_NUM_BLOCKS).compile(
+            compiler_options=self.compiler_options(tokens)
+        )
+        sample = self._lower_sample(reqs, _PROFILE_NUM_BLOCKS).compile(compiler_options=self.compiler_options(reqs))
+        total = 0
+        for program in (forward, sample):
+            analysis = program.memory_analysis()
+            total += int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+        return total
+
+    # -------------------------------------------------------------- lowering
+
+    def _kv_blocks(self) -> int:
+        if self.num_blocks is None:
+            raise RuntimeError("The KV cache is not sized yet: initialize_kv_cache() must run before compiling steps.")
+        return self.num_blocks
+
+    def _step_shape(self, num_tokens: int) -> StepShape:
+        statics = self.statics
+        num_reqs = min(num_tokens, statics.max_num_reqs)
+        return StepShape(
+            num_tokens=num_tokens,
+            num_reqs=num_reqs,
+            append_capacity=BlockTables.append_capacity(num_tokens, num_reqs, statics.block_size),
+            num_spec=statics.num_spec,
+            drafts_on_device=statics.drafter is not None,
+        )
+
+    def _input(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+        """A step input from the host: replicated over the mesh."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.inputs.replicated)
+
+    def _draft_kv(self, num_blocks: int) -> KVCaches:
+        spec = self.inputs.draft_kv_cache
+        return [] if spec is None else spec.abstract(num_blocks, self.inputs.cache_sharding)
+
+    def _step_args(self, shape: StepShape, num_blocks: int) -> tuple:
+        """Abstract arguments every step program starts with: parameters, caches, state, step buffer."""
+        inputs = self.inputs
+        return (
+            inputs.params,
+            inputs.draft_params,
+            inputs.kv_cache.abstract(num_blocks, inputs.cache_sharding),
+            self._draft_kv(num_blocks),
+            inputs.device_state,
+            self._input((shape.buffer_words,), jnp.int32),
+        )
+
+    def _lower_forward(self, num_tokens: int, num_blocks: int) -> jax.stages.Lowered:
+        shape = self.step_shapes[num_tokens]
+        cache, whole = self.inputs.cache_sharding, self.inputs.replicated
+        forward_jit = jax.jit(
+            functools.partial(step_functions.forward, self.statics, shape=shape),
+            donate_argnums=(2, 3, 4),
+            out_shardings=(cache, cache, whole, whole, whole, whole),
+        )
+        return forward_jit.lower(*self._step_args(shape, num_blocks))
+
+    def _lower_sample(self, num_rows: int, num_blocks: int, plain: bool = False) -> jax.stages.Lowered:
+        inputs, statics = self.inputs, self.statics
+        hidden = self._input((statics.max_num_reqs, statics.num_spec + 1, *inputs.hidden.shape), inputs.hidden.dtype)
+        rows = jax.tree.map(
+            lambda a: self._input(a.shape, a.dtype), SampleRows.abstract(statics.max_num_reqs, statics.num_spec)
+        )
+        words = bitmask_words(inputs.vocab_size)
+        return self._sample_jit.lower(
+            inputs.params,
+            inputs.draft_params,
+            self._draft_kv(num_blocks),
+            hidden,
+            rows,
+            inputs.device_state,
+            self._input((num_rows, words), jnp.int32),
+            self._input((num_rows,), jnp.bool_),
+            num_rows=num_rows,
+            plain=plain,
+        )
+
+    def _lower_decode_steps(
+        self, num_tokens: int, num_rows: int, num_steps: int, *, num_blocks: int
+    ) -> jax.stages.Lowered:
+        shape = self.step_shapes[num_tokens]
+        cache, whole = self.inputs.cache_sharding, self.inputs.replicated
+        steps_jit = jax.jit(
+            functools.partial(
+                step_functions.decode_steps, self.statics, shape=shape, num_rows=num_rows, num_steps=num_steps
+            ),
+            donate_argnums=(2, 3, 4),
+            out_shardings=(cache, cache, whole, whole),
+        )
+        return steps_jit.lower(*self._step_args(shape, num_blocks))
+
+    def _lower_write_new_requests(self, num_rows: int) -> jax.stages.Lowered:
+        inputs = self.inputs
+        write_jit = jax.jit(
+            functools.partial(write_new_requests, layout=inputs.new_request_layout),
+            donate_argnums=(0,),
+            out_shardings=inputs.replicated,
+        )
+        return write_jit.lower(inputs.device_state, self._input((num_rows, inputs.new_request_layout.width), jnp.int32))
+
+    def _lower_prompt_logprobs(self, num_tokens: int) -> jax.stages.Lowered:
+        inputs = self.inputs
+        prompt_logprobs_jit = jax.jit(
+            functools.partial(step_functions.prompt_logprobs, self.statics), out_shardings=inputs.replicated
+        )
+        return prompt_logprobs_jit.lower(
+            inputs.params,
+            self._input((num_tokens, *inputs.hidden.shape), inputs.hidden.dtype),
+            self._input((num_tokens,), jnp.int32),
+            self._input((num_tokens,), jnp.int32),
+        )

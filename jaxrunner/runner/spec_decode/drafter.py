@@ -1,0 +1,117 @@
+"""What the step programs ask of a proposer that drafts on the device, and the parts drafters share.
+
+A drafter runs inside the compiled programs: in the forward program it fills
+its own KV cache from this step's tokens (``on_step``); in the sampling program,
+after verification, it proposes the next step's drafts (``propose``) and leaves
+them on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxrunner.models import CausalLM
+from jaxrunner.ops import AttentionBackend, AttentionMetadata
+from jaxrunner.runner.block_table import compute_slot_mapping
+from jaxrunner.runner.kv_cache import KVCaches, KVCacheSpec
+
+
+class Drafter(Protocol):
+    """A proposer on the device: a draft model or an EAGLE head, split for jit."""
+
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    kv_spec: KVCacheSpec  # its KV cache, on the target's block ids
+
+    def on_step(
+        self,
+        params: nnx.State,
+        kv_caches: KVCaches,
+        target: CausalLM,
+        input_ids: Int[Array, "T"],
+        positions: Int[Array, "T"],
+        metadata: AttentionMetadata,
+        hidden: Float[Array, "T E"],
+        attention_backend: AttentionBackend,
+    ) -> KVCaches:
+        """The drafter's KV cache after this step's tokens (``hidden``: the target's features at them)."""
+        ...
+
+    def propose(
+        self,
+        params: nnx.State,
+        kv_caches: KVCaches,
+        target: CausalLM,
+        block_table: Int[Array, "R max_blocks"],
+        slots: Int[Array, "R"],
+        last_tokens: Int[Array, "R"],
+        positions: Int[Array, "R"],
+        features: Float[Array, "R E"],
+        active: Bool[Array, "R"],
+        num_drafts: int,
+        block_size: int,
+        attention_backend: AttentionBackend,
+    ) -> tuple[KVCaches, Int[Array, "R S"]]:
+        """Greedy drafts, ``num_drafts`` per active row, from its last token at ``positions``."""
+        ...
+
+
+@dataclasses.dataclass
+class DeviceDrafter:
+    """A proposer module split for jit: its graph, its parameters and its KV cache's spec."""
+
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    kv_spec: KVCacheSpec
+
+    @classmethod
+    def split(cls, module: nnx.Module, block_size: int, kv_dtype):
+        """A drafter of ``module``: its graph, its parameters and its KV cache's spec (``block_size``, ``kv_dtype``)."""
+        config = module.config
+        graphdef, params = nnx.split(module)
+        spec = KVCacheSpec(config.num_layers, block_size, config.num_kv_heads, config.head_dim, kv_dtype)
+        return cls(graphdef, params, spec)
+
+
+DraftStep = Callable[
+    [Int[Array, "R"], Float[Array, "R E"], AttentionMetadata, Int[Array, "R"], KVCaches],
+    tuple[Float[Array, "R V"], Float[Array, "R E"], KVCaches],
+]
+"""One pass of one token per row: (tokens, features, metadata, positions, caches) -> (logits, features, caches)."""
+
+
+def decode_drafts(
+    step: DraftStep,
+    kv_caches: KVCaches,
+    block_table: Int[Array, "R max_blocks"],
+    slots: Int[Array, "R"],
+    last_tokens: Int[Array, "R"],
+    positions: Int[Array, "R"],
+    features: Float[Array, "R E"],
+    active: Bool[Array, "R"],
+    num_drafts: int,
+    block_size: int,
+) -> tuple[KVCaches, Int[Array, "R S"]]:
+    """Run ``step`` (one token per row) ``num_drafts`` times, feeding back argmax tokens and features."""
+    n = slots.shape[0]
+    tables = block_table.at[slots].get(mode="fill", fill_value=0)
+    drafts = []
+    tokens, feats, pos = last_tokens, features, positions
+    for _ in range(num_drafts):
+        metadata = AttentionMetadata(
+            query_start_loc=jnp.arange(n + 1, dtype=jnp.int32),
+            seq_lens=jnp.where(active, pos + 1, 0),
+            block_tables=tables,
+            slot_mapping=compute_slot_mapping(block_table, slots, pos, active, block_size),
+        )
+        logits, feats, kv_caches = step(tokens, feats, metadata, jnp.where(active, pos, 0), kv_caches)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        drafts.append(tokens)
+        pos = pos + 1
+    return kv_caches, jnp.stack(drafts, axis=1)
