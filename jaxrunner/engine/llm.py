@@ -163,9 +163,12 @@ class LLM:
         manager and scheduler."""
         config = self.config
         runner = ModelRunner(config, mesh, replica)
-        runner.load_model()
-        num_blocks = runner.initialize_kv_cache()
-        runner.capture_model()
+        with runner.spans("load_model"):
+            runner.load_model()
+        with runner.spans("initialize_kv_cache"):
+            num_blocks = runner.initialize_kv_cache()
+        with runner.spans("capture_model"):
+            runner.capture_model()
         cache = config.cache_config
         manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching)
         lookahead = config.num_speculative_tokens if config.uses_draft_model else 0

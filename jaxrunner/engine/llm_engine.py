@@ -111,6 +111,7 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         self._last_dispatch_decodes_only = False
         self.step_times = StepTimes()
+        self.spans = runner.spans
 
     # ------------------------------------------------------------- requests
 
@@ -286,7 +287,8 @@ class LLMEngine:
         if self._in_flight is not None and not self._can_overlap():
             outputs += self._process(*self._in_flight, output_kind)
             self._in_flight = None
-        scheduler_output = self.scheduler.schedule()
+        with self.spans("schedule"):
+            scheduler_output = self.scheduler.schedule()
         runner_output = self._dispatch(scheduler_output)
         if self._in_flight is not None:
             outputs += self._process(*self._in_flight, output_kind)
@@ -327,12 +329,14 @@ class LLMEngine:
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Run the runner's step: execute_model, then sample_tokens when anything was scheduled."""
-        runner_output = self.runner.execute_model(scheduler_output)
+        with self.spans("execute_model"):
+            runner_output = self.runner.execute_model(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens > 0:
             grammar = None
             if self._has_grammars():
                 grammar = self.structured_outputs.grammar_output(list(scheduler_output.num_scheduled_tokens))
-            return self.runner.sample_tokens(grammar)
+            with self.spans("sample_tokens"):
+                return self.runner.sample_tokens(grammar)
         return runner_output if runner_output is not None else ModelRunnerOutput.make_empty()
 
     def _process(
@@ -342,6 +346,15 @@ class LLMEngine:
         output_kind: RequestOutputKind,
     ) -> list[RequestOutput]:
         """Apply one step's tokens: scheduler update, logprobs, grammars, text and stop strings."""
+        with self.spans("process_outputs"):
+            return self._process_outputs(scheduler_output, runner_output, output_kind)
+
+    def _process_outputs(
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput | AsyncModelRunnerOutput,
+        output_kind: RequestOutputKind,
+    ) -> list[RequestOutput]:
         if isinstance(runner_output, AsyncModelRunnerOutput):
             runner_output = runner_output.get_output()
         touched: dict[str, _Prompt] = {}

@@ -68,6 +68,7 @@ from jaxrunner.sample.sampling_state import (
     pack_sampling_params,
     uses_sampling_stages,
 )
+from jaxrunner.spans import Spans
 from jaxrunner.sharding import host_copy, kv_cache_sharding, make_mesh, min_over_processes, replicated, tensor_parallel_size
 from jaxrunner.models.partitioning import param_shardings
 from jaxrunner.runner.states import DeviceState, RequestState, write_new_requests
@@ -136,6 +137,7 @@ class ModelRunner:
         self.device_wait_s = 0.0
         # Seconds spent inside calls of the compiled programs: XLA launches their kernels on the calling thread.
         self.program_call_s = 0.0
+        self.spans = Spans()
 
     # ------------------------------------------------------------------ set-up
 
@@ -552,7 +554,8 @@ class ModelRunner:
         """Call a compiled program, adding how long the call holds this thread to ``program_call_s``."""
         start = time.perf_counter()
         try:
-            return program(*args)
+            with self.spans("program_call"):
+                return program(*args)
         finally:
             self.program_call_s += time.perf_counter() - start
 
@@ -565,7 +568,8 @@ class ModelRunner:
         self.update_requests(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.make_empty()
-        batch, buffer = self.prepare_inputs(scheduler_output)
+        with self.spans("prepare_inputs"):
+            batch, buffer = self.prepare_inputs(scheduler_output)
         if batch.num_steps > 1:
             self.execute_model_state = self._run_decode_steps(batch, buffer)
             return None
@@ -740,9 +744,14 @@ class _PendingOutput(AsyncModelRunnerOutput):
 
     def get_output(self) -> ModelRunnerOutput:
         """Wait for the step's tokens on the host and build its ``ModelRunnerOutput``."""
+        with self.runner.spans("get_output"):
+            return self._get_output()
+
+    def _get_output(self) -> ModelRunnerOutput:
         batch = self.batch
         start = time.perf_counter()
-        tokens = host_copy(self.tokens)  # blocks until the step has run and its tokens are copied
+        with self.runner.spans("device_wait"):
+            tokens = host_copy(self.tokens)  # blocks until the step has run and its tokens are copied
         self.runner.device_wait_s += time.perf_counter() - start
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
