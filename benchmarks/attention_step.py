@@ -14,9 +14,14 @@ the copy bandwidth; prefill as TFLOP/s (causal FLOPs) over the matmul rate.
 the cases the table is tuned for, each checked against the reference;
 ``--kv-write`` times the KV cache write, XLA's scatter against the Mosaic GPU kernel.
 
-    python benchmarks/attention_step.py --out attention_step.json
-    python benchmarks/attention_step.py --sweep --out attention_sweep.json
-    python benchmarks/attention_step.py --kv-write --out kv_write.json
+Off a GPU the kernels run through the Mosaic GPU interpreter, CUPTI and the
+shipped GPU baselines are skipped, and only the wall time is recorded: with
+``--cases decode:1:64 --floor-elements 1048576`` the script runs on a CPU in
+seconds (the test suite's check).
+
+    python -m benchmarks.attention_step --out attention_step.json
+    python -m benchmarks.attention_step --sweep --out attention_sweep.json
+    python -m benchmarks.attention_step --kv-write --out kv_write.json
 """
 
 from __future__ import annotations
@@ -33,8 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.harness import (
+    cupti_kernel_timings,
+    device_facts,
+    has_cupti,
+    measure_floors,
+    ms_by_kernel,
+    write_json,
+)
 from jaxrunner.ops.attention_metadata import AttentionMetadata
-from decode_step import cupti_kernel_timings, measure_floors
 from jaxrunner.ops.attention_mgpu import (
     KernelConfig,
     config_for,
@@ -57,7 +69,7 @@ def seconds(fn, *args, repeats: int = 10, traced_repeats: int = 3) -> dict:
     a host round trip to every call and swamp a microsecond-scale kernel. Wall time still
     counts any gap while the host launches the next kernel; device time does not. Both
     include the harness's own small kernels (the dependency add and the output sums).
-    Without CUPTI (or with nothing recorded) only the wall time is returned.
+    Off a GPU (or with nothing recorded) only the wall time is returned.
     """
     inner = 10
 
@@ -78,6 +90,9 @@ def seconds(fn, *args, repeats: int = 10, traced_repeats: int = 3) -> dict:
         times.append(time.perf_counter() - start)
     result = {"s": statistics.median(times) / inner}
 
+    if not has_cupti():
+        return result
+
     def traced_runs():
         for _ in range(traced_repeats):
             looped(*args).block_until_ready()
@@ -87,12 +102,10 @@ def seconds(fn, *args, repeats: int = 10, traced_repeats: int = 3) -> dict:
     except Exception as exc:  # CUPTI unavailable: keep the wall time
         result["device_error"] = repr(exc)[:300]
         return result
-    kernel_ms: dict[str, float] = {}
-    for name, ms in timings:
-        kernel_ms[name] = kernel_ms.get(name, 0.0) + ms
+    kernel_ms = ms_by_kernel(timings)
     if kernel_ms:
         calls = traced_repeats * inner
-        top = max(kernel_ms, key=kernel_ms.get)
+        top = max(kernel_ms, key=lambda name: kernel_ms[name])
         result.update(device_s=sum(kernel_ms.values()) / 1e3 / calls, top_kernel=top[:80],
                       kernel_s=kernel_ms[top] / 1e3 / calls)
     return result
@@ -199,7 +212,9 @@ def lengths(kind: str, batch: int, context: int) -> tuple[list[int], list[int]]:
 
 
 def baseline(kind, q, k_cache, v_cache, metadata, q_lens):
-    """The shipped kernel that applies to this case, as (fn, args), or None."""
+    """The shipped kernel that applies to this case, as (fn, args), or None (always off a GPU: they are GPU kernels)."""
+    if jax.default_backend() != "gpu":
+        return None
     if kind == "decode":
         return decode_baseline(q, k_cache, v_cache, metadata)
     if kind == "prefill":
@@ -249,7 +264,7 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
     accumulation, and with two compute warpgroups ping-pong and longest first), ring sizes, and
     (decode) split counts."""
     registers = (232 if base.num_compute_wgs == 2 else 216) if base.compute_registers is None else None
-    flip = lambda **fields: dataclasses.replace(base, **fields)  # noqa: E731
+    flip = lambda **fields: dataclasses.replace(base, **fields)
     options = {
         "table": base,
         "registers_flipped": flip(compute_registers=registers),
@@ -318,7 +333,7 @@ def kv_write_rows(token_counts=(1, 64, 256, 8192), num_blocks: int = 16384, repe
         row = {"tokens": tokens, "bytes_written": 2 * k_new.size * 2}
         for impl in ("reference", "mosaic_gpu"):
             @functools.partial(jax.jit, donate_argnums=(0, 1))
-            def ten_writes(k_cache, v_cache, k_new, v_new, impl=impl):
+            def ten_writes(k_cache, v_cache, k_new, v_new, impl=impl, slots=slots):
                 for i in range(10):  # distinct values per write, so no write is redundant
                     k_cache, v_cache = write_kv(k_cache, v_cache, k_new + i, v_new, slots, impl=impl)
                 return k_cache, v_cache
@@ -345,34 +360,38 @@ SWEEP_CASES = [("decode", 1, 1024), ("decode", 16, 1024), ("decode", 1, 4096), (
                ("prefill", 1, 8192), ("prefill", 8, 2048)]
 
 
+def parse_case(text: str) -> tuple[str, int, int]:
+    """``"decode:64:4096"`` -> ("decode", 64, 4096)."""
+    kind, batch, context = text.split(":")
+    if kind not in ("decode", "prefill", "mixed"):
+        raise argparse.ArgumentTypeError(f"a case is decode|prefill|mixed:BATCH:CONTEXT; got {text!r}")
+    return kind, int(batch), int(context)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="attention_step.json")
-    parser.add_argument("--only", nargs="*", help="case names kind:batch:context to run (default: all)")
+    parser.add_argument("--only", type=parse_case, nargs="*",
+                        help="cases kind:batch:context to run (default: CASES, or SWEEP_CASES with --sweep)")
     parser.add_argument("--sweep", action="store_true", help="time the tuning table's neighbours instead")
     parser.add_argument("--kv-write", action="store_true", help="time the KV cache write's two implementations instead")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens a KV page holds")
+    parser.add_argument("--floor-elements", type=int, default=1 << 30, help="bf16 elements of the copy test (2 GiB)")
     args = parser.parse_args()
+    facts = device_facts()
     if args.kv_write:
-        with open(args.out, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "kv_write": kv_write_rows()}, f, indent=1)
+        write_json(args.out, {**facts, "kv_write": kv_write_rows()})
         return
     if args.sweep:
         rows = []
-        for case in SWEEP_CASES:  # written after each case, so a cut-short run keeps what it measured
-            if args.only and ":".join(map(str, case)) not in args.only:
-                continue
+        for case in args.only or SWEEP_CASES:  # written after each case, so a cut-short run keeps what it measured
             rows.append(sweep_case(*case, args.block_size))
-            with open(args.out, "w") as f:
-                json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "block_size": args.block_size,
-                           "sweep": rows}, f, indent=1)
+            write_json(args.out, {**facts, "block_size": args.block_size, "sweep": rows})
         return
-    floors = measure_floors(1 << 30)
+    floors = measure_floors(args.floor_elements)
     print(json.dumps(floors), flush=True)
     rows = []
-    for kind, batch, context in CASES:
-        if args.only and f"{kind}:{batch}:{context}" not in args.only:
-            continue
+    for kind, batch, context in args.only or CASES:
         try:
             row = run_case(kind, batch, context, floors, args.block_size)
         except Exception as exc:
@@ -380,10 +399,7 @@ def main() -> None:
                    "error": "".join(traceback.format_exception(exc))[-4000:]}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        with open(args.out, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "block_size": args.block_size,
-                       "floors": floors, "cases": rows}, f,
-                      indent=1)
+        write_json(args.out, {**facts, "block_size": args.block_size, "floors": floors, "cases": rows})
 
 
 if __name__ == "__main__":

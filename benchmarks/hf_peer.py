@@ -25,68 +25,53 @@ Dynamo keeps its defaults (automatic dynamic shapes: after a shape changes, one
 graph with that dimension dynamic), as a user's would, with a higher recompile
 limit so that no case silently falls back to eager.
 
-On the H200 (alone, about 8 minutes; ``e2e.py`` runs it as part e with the cases it needs):
+The model's shape is one of ``benchmarks.harness.SHAPES``, the ones the
+jaxrunner side of the comparison runs. On the H200 (alone, about 8 minutes;
+``benchmarks.e2e`` runs it as part e with the cases it needs):
 
-    python3 benchmarks/hf_peer.py --out hf_peer.json
+    python -m benchmarks.hf_peer --out hf_peer.json
 
 A trial there (torch 2.11, transformers 5.17) took 15 s to start, 30-70 s per
 torch.compile, 4.8 s per batch of 256 at 128/128, and 0.159 s per decode step at
 batch 256 over a 2000-token cache (so ~165 s for one batch of 256 at 1000/1000).
 
-On a CPU, to check the script in seconds:
+On a CPU, to check the script in seconds (``--no-compile``: torch.compile's
+CUDA-graph config is for GPUs, and compiling for the CPU takes minutes):
 
-    python3 benchmarks/hf_peer.py --shape tiny --decode 1x64 4x64 --workloads 8x32/16 \\
-        --concurrency 4 --steps 5 --warmup 2 --out /tmp/hf_peer.json
+    python -m benchmarks.hf_peer --shape tiny --decode 1x64 4x64 --workloads 8x32/16 \\
+        --concurrency 4 --steps 5 --warmup 2 --no-compile --out /tmp/hf_peer.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
-import re
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.generation import CompileConfig
 
+from benchmarks.harness import SHAPES, commit, parse_pair, parse_workload, write_json
+
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192)
-SHAPES = {
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-    # jaxrunner's built-in tiny-llama shape: to check the script on a CPU.
-    "tiny": dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-}
 # Tokens per prefill forward when filling the cache for a decode measurement: bounds activation memory.
 PREFILL_CHUNK_TOKENS = 8192
 
 
-def parse_pair(text: str) -> tuple[int, int]:
-    """``"64x1024"`` -> (64, 1024): a decode case (batch x context), or requests x prompt length."""
-    match = re.fullmatch(r"(\d+)x(\d+)", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected AxB, e.g. 64x1024; got {text!r}")
-    return int(match[1]), int(match[2])
-
-
-def parse_workload(text: str) -> tuple[int, int, int]:
-    """``"256x1000/1000"`` -> (256 requests, input length 1000, output length 1000)."""
-    match = re.fullmatch(r"(\d+)x(\d+)/(\d+)", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected REQUESTSxINPUT/OUTPUT, e.g. 256x1000/1000; got {text!r}")
-    return int(match[1]), int(match[2]), int(match[3])
-
-
 def build_config(shape: str) -> LlamaConfig:
-    """The Llama config of ``shape``: Llama 3.1 RoPE scaling, untied embeddings."""
-    return LlamaConfig(**SHAPES[shape], rms_norm_eps=1e-5, max_position_embeddings=131072,
+    """The Llama config of ``shape``: its sizes, Llama 3.1 RoPE scaling, untied embeddings."""
+    s = SHAPES[shape]
+    sizes = dict(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+                 num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads, num_key_value_heads=s.num_kv_heads,
+                 head_dim=s.head_dim)
+    return LlamaConfig(**sizes, rms_norm_eps=1e-5, max_position_embeddings=131072,
                        rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
 
 
@@ -299,7 +284,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
-        "shape": args.shape, "attn_implementation": model.config._attn_implementation,
+        "commit": commit(), "shape": args.shape, "attn_implementation": model.config._attn_implementation,
         "compile_requested": compile, "build_s": time.perf_counter() - start,
         "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "throughput": [], "decode": [],
@@ -307,13 +292,13 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     with torch.inference_mode():
         # Shortest sequences first: generate sizes a static cache for the longest it has seen on this model.
         for w in sorted(args.workloads, key=lambda w: w[1] + w[2]):
-            result["throughput"].append(guarded(
-                lambda: throughput_row(model, w, args.concurrency, args.max_batches, args.greedy, compile),
-                device, num_prompts=w[0], input_len=w[1], output_len=w[2]))
+            measure = functools.partial(throughput_row, model, w, args.concurrency, args.max_batches, args.greedy,
+                                        compile)
+            result["throughput"].append(guarded(measure, device, num_prompts=w[0], input_len=w[1], output_len=w[2]))
             save(result)
         for b, c in args.decode:
-            result["decode"].append(guarded(
-                lambda: decode_row(model, b, c, args.steps, args.warmup, compile), device, batch=b, context=c))
+            measure = functools.partial(decode_row, model, b, c, args.steps, args.warmup, compile)
+            result["decode"].append(guarded(measure, device, batch=b, context=c))
             save(result)
     return result
 
@@ -355,7 +340,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="hf_peer.json")
     args = parser.parse_args()
-    print_table(run(args, lambda result: Path(args.out).write_text(json.dumps(result, indent=2))))
+    print_table(run(args, lambda result: write_json(args.out, result)))
 
 
 if __name__ == "__main__":
