@@ -107,17 +107,17 @@ PRESETS = {
         floor_elements=1 << 30,
         decode_steps=30,
     ),
-    # Toy sizes that run every part on a CPU in minutes: to check this script.
+    # Toy sizes, few programs to compile, that run every part on a CPU in minutes: to check this script.
     "tiny-llama": Preset(
         shape="tiny",
-        engine=dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256, token_buckets=[16, 64, 256],
-                    request_buckets=[4, 16]),
-        decode=[(1, 64), (1, 128), (4, 64), (4, 128), (16, 64)],
-        peer_decode=[(1, 64), (4, 64)],
-        workloads=[(16, 64, 64), (40, 32, 32)],
-        prefill=(16, 64),
-        floor_elements=1 << 20,
-        decode_steps=8,
+        engine=dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[64],
+                    request_buckets=[4]),
+        decode=[(1, 64), (4, 64)],
+        peer_decode=[(1, 64)],
+        workloads=[(8, 32, 16)],
+        prefill=(4, 32),
+        floor_elements=1 << 16,
+        decode_steps=4,
     ),
 }
 

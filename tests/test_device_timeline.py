@@ -1,12 +1,8 @@
-"""The device-timeline summary that ``benchmarks/decode_step.py --trace`` prints, on a known timeline."""
-
-import sys
-from pathlib import Path
+"""The device-timeline summary that ``python -m benchmarks.decode_step --trace`` prints, on a known timeline."""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-from device_timeline import Event, host_during, load_events, save_events, summarize  # noqa: E402
+from benchmarks.device_timeline import Event, host_during, load_events, save_events, summarize
 
 
 def test_busy_idle_and_gaps_of_overlapping_streams():
