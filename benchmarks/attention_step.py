@@ -91,6 +91,7 @@ def seconds(fn, *args, repeats: int = 10, traced_repeats: int = 3, inner: int = 
     include the harness's own small kernels (the dependency add and the output sums).
     Off a GPU (or with nothing recorded) only the wall time is returned.
     """
+
     @jax.jit
     def looped(first, *rest):
         acc = jnp.float32(0)
@@ -124,8 +125,9 @@ def seconds(fn, *args, repeats: int = 10, traced_repeats: int = 3, inner: int = 
     if kernel_ms:
         calls = traced_repeats * inner
         top = max(kernel_ms, key=lambda name: kernel_ms[name])
-        result.update(device_s=sum(kernel_ms.values()) / 1e3 / calls, top_kernel=top[:80],
-                      kernel_s=kernel_ms[top] / 1e3 / calls)
+        result.update(
+            device_s=sum(kernel_ms.values()) / 1e3 / calls, top_kernel=top[:80], kernel_s=kernel_ms[top] / 1e3 / calls
+        )
     return result
 
 
@@ -177,9 +179,20 @@ def kernel_only(q, k_cache, v_cache, metadata, heads: Heads):
     schedule, q_tiles = prepare(q, heads.num_kv, metadata, config, sliding_window=None)
 
     def fn(q_tiles, fields, block_tables, k_cache, v_cache, **kwargs):
-        return launch_kernel(fields, block_tables, q_tiles, k_cache, v_cache, config=config,
-                             group=heads.num_q // heads.num_kv, sm_scale=heads.sm_scale, sliding_window=None,
-                             soft_cap=None, interpret=mosaic_gpu_interpreter_off_gpu(), **kwargs)
+        return launch_kernel(
+            fields,
+            block_tables,
+            q_tiles,
+            k_cache,
+            v_cache,
+            config=config,
+            group=heads.num_q // heads.num_kv,
+            sm_scale=heads.sm_scale,
+            sliding_window=None,
+            soft_cap=None,
+            interpret=mosaic_gpu_interpreter_off_gpu(),
+            **kwargs,
+        )
 
     return fn, (q_tiles, schedule.fields, metadata.block_tables, k_cache, v_cache)
 
@@ -192,10 +205,16 @@ def decode_baseline(q, k_cache, v_cache, metadata):
     v_pages = jnp.transpose(v_cache, (2, 0, 1, 3))
     pages = metadata.block_tables.shape[1]
     splits = max(d for d in (1, 2, 4, 8, 16) if pages % d == 0)
-    fn = functools.partial(paged_attention.paged_attention, pages_per_compute_block=min(8, pages // splits),
-                           k_splits=splits)
-    return (lambda q, kp, vp, bt, ln: fn(q, kp, vp, bt, ln)), (q, k_pages, v_pages, metadata.block_tables,
-                                                               metadata.seq_lens)
+    fn = functools.partial(
+        paged_attention.paged_attention, pages_per_compute_block=min(8, pages // splits), k_splits=splits
+    )
+    return (lambda q, kp, vp, bt, ln: fn(q, kp, vp, bt, ln)), (
+        q,
+        k_pages,
+        v_pages,
+        metadata.block_tables,
+        metadata.seq_lens,
+    )
 
 
 def prefill_baseline(q, k_cache, v_cache, metadata, q_lens):
@@ -215,10 +234,11 @@ def prefill_baseline(q, k_cache, v_cache, metadata, q_lens):
 
 BASELINE_NAMES = {"decode": "pallas_paged_attention", "prefill": "pallas_attention_mgpu"}
 
-CASES = (
-    [("decode", b, c) for b in (1, 16, 64, 256) for c in (1024, 4096, 32768)]
-    + [("prefill", 1, 8192), ("prefill", 8, 2048), ("mixed", 64, 4096)]
-)
+CASES = [("decode", b, c) for b in (1, 16, 64, 256) for c in (1024, 4096, 32768)] + [
+    ("prefill", 1, 8192),
+    ("prefill", 8, 2048),
+    ("mixed", 64, 4096),
+]
 
 
 def lengths(kind: str, batch: int, context: int) -> tuple[list[int], list[int]]:
@@ -246,15 +266,31 @@ def baseline(kind, q, k_cache, v_cache, metadata, q_lens):
 IMPLEMENTATIONS = ("ours", "ours_kernel_only", "reference", "baseline")
 
 
-def run_case(kind, batch, context, floors, heads: Heads = LLAMA3_8B, block_size: int = BLOCK_SIZE,
-             repeats: int = 10, implementations=IMPLEMENTATIONS) -> dict:
+def run_case(
+    kind,
+    batch,
+    context,
+    floors,
+    heads: Heads = LLAMA3_8B,
+    block_size: int = BLOCK_SIZE,
+    repeats: int = 10,
+    implementations=IMPLEMENTATIONS,
+) -> dict:
     q_lens, seq_lens = lengths(kind, batch, context)
     q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, heads, block_size)
-    ours = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=heads.sm_scale,
-                                     interpret=mosaic_gpu_interpreter_off_gpu()))
+    ours = jax.jit(
+        functools.partial(
+            ragged_paged_attention_mgpu, sm_scale=heads.sm_scale, interpret=mosaic_gpu_interpreter_off_gpu()
+        )
+    )
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=heads.sm_scale))
-    row = {"kind": kind, "batch": batch, "context": context, "kv_bytes": kv_bytes(seq_lens, heads),
-           "flops": causal_flops(q_lens, seq_lens, heads)}
+    row = {
+        "kind": kind,
+        "batch": batch,
+        "context": context,
+        "kv_bytes": kv_bytes(seq_lens, heads),
+        "flops": causal_flops(q_lens, seq_lens, heads),
+    }
     started = time.perf_counter()
     timed = {}
     if "ours" in implementations:
@@ -303,11 +339,17 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
         "stages-1": flip(num_stages=max(base.num_stages - 1, 2)),
         "stages+1": flip(num_stages=base.num_stages + 1),
         "pages*2": flip(pages_per_stage=base.pages_per_stage * 2, num_stages=2),
-        **({"pingpong_flipped": flip(pingpong=not base.pingpong),
-            "longest_first_flipped": flip(longest_first=not base.longest_first),
-            "pingpong_and_longest_first_flipped": flip(pingpong=not base.pingpong,
-                                                       longest_first=not base.longest_first)}
-           if base.num_compute_wgs == 2 else {}),
+        **(
+            {
+                "pingpong_flipped": flip(pingpong=not base.pingpong),
+                "longest_first_flipped": flip(longest_first=not base.longest_first),
+                "pingpong_and_longest_first_flipped": flip(
+                    pingpong=not base.pingpong, longest_first=not base.longest_first
+                ),
+            }
+            if base.num_compute_wgs == 2
+            else {}
+        ),
         # Decode: every split count from one program per tile to 16, to see where wave quantization bites.
         **{f"splits={n}": flip(num_kv_splits=n) for n in (1, 2, 3, 4, 6, 8, 16) if base.num_compute_wgs == 1},
     }
@@ -329,8 +371,14 @@ def sweep_case(kind, batch, context, heads: Heads = LLAMA3_8B, block_size: int =
     for name, config in candidate_configs(base).items():
         entry = {"config": dataclasses.asdict(config)}
         try:
-            fn = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=heads.sm_scale, config=config,
-                                           interpret=mosaic_gpu_interpreter_off_gpu()))
+            fn = jax.jit(
+                functools.partial(
+                    ragged_paged_attention_mgpu,
+                    sm_scale=heads.sm_scale,
+                    config=config,
+                    interpret=mosaic_gpu_interpreter_off_gpu(),
+                )
+            )
             entry["max_rel_error"] = max_rel_error(fn(q, k_cache, v_cache, metadata), expected)
             entry.update(seconds(fn, q, k_cache, v_cache, metadata))
         except Exception as exc:
@@ -364,6 +412,7 @@ def kv_write_rows(token_counts=(1, 64, 256, 8192), num_blocks: int = 16384, repe
         v_new = jax.random.normal(jax.random.fold_in(key, 1), k_new.shape, jnp.bfloat16)
         row = {"tokens": tokens, "bytes_written": 2 * k_new.size * 2}
         for impl in ("reference", "mosaic_gpu"):
+
             @functools.partial(jax.jit, donate_argnums=(0, 1))
             def ten_writes(k_cache, v_cache, k_new, v_new, impl=impl, slots=slots):
                 for i in range(10):  # distinct values per write, so no write is redundant
@@ -388,8 +437,14 @@ def kv_write_rows(token_counts=(1, 64, 256, 8192), num_blocks: int = 16384, repe
     return rows
 
 
-SWEEP_CASES = [("decode", 1, 1024), ("decode", 16, 1024), ("decode", 1, 4096), ("decode", 64, 4096),
-               ("prefill", 1, 8192), ("prefill", 8, 2048)]
+SWEEP_CASES = [
+    ("decode", 1, 1024),
+    ("decode", 16, 1024),
+    ("decode", 1, 4096),
+    ("decode", 64, 4096),
+    ("prefill", 1, 8192),
+    ("prefill", 8, 2048),
+]
 
 
 def parse_case(text: str) -> tuple[str, int, int]:
@@ -401,18 +456,31 @@ def parse_case(text: str) -> tuple[str, int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="attention_step.json")
-    parser.add_argument("--only", type=parse_case, nargs="*",
-                        help="cases kind:batch:context to run (default: CASES, or SWEEP_CASES with --sweep)")
+    parser.add_argument(
+        "--only",
+        type=parse_case,
+        nargs="*",
+        help="cases kind:batch:context to run (default: CASES, or SWEEP_CASES with --sweep)",
+    )
     parser.add_argument("--sweep", action="store_true", help="time the tuning table's neighbours instead")
     parser.add_argument("--kv-write", action="store_true", help="time the KV cache write's two implementations instead")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens a KV page holds")
-    parser.add_argument("--heads", choices=sorted(HEADS), default="llama3-8b",
-                        help="the attention's heads (small: the kernel tests', for a toy run on a CPU)")
+    parser.add_argument(
+        "--heads",
+        choices=sorted(HEADS),
+        default="llama3-8b",
+        help="the attention's heads (small: the kernel tests', for a toy run on a CPU)",
+    )
     parser.add_argument("--repeats", type=int, default=10, help="timed runs of each implementation")
-    parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS),
-                        help="what to time (off a GPU our kernel is interpreted: half a minute a call)")
+    parser.add_argument(
+        "--implementations",
+        nargs="+",
+        choices=IMPLEMENTATIONS,
+        default=list(IMPLEMENTATIONS),
+        help="what to time (off a GPU our kernel is interpreted: half a minute a call)",
+    )
     parser.add_argument("--floor-elements", type=int, default=1 << 30, help="bf16 elements of the copy test (2 GiB)")
     args = parser.parse_args()
     heads = HEADS[args.heads]
@@ -433,12 +501,17 @@ def main() -> None:
         try:
             row = run_case(kind, batch, context, floors, heads, args.block_size, args.repeats, args.implementations)
         except Exception as exc:
-            row = {"kind": kind, "batch": batch, "context": context,
-                   "error": "".join(traceback.format_exception(exc))[-4000:]}
+            row = {
+                "kind": kind,
+                "batch": batch,
+                "context": context,
+                "error": "".join(traceback.format_exception(exc))[-4000:],
+            }
         rows.append(row)
         print(json.dumps(row), flush=True)
-        write_json(args.out, {**facts, "heads": args.heads, "block_size": args.block_size, "floors": floors,
-                               "cases": rows})
+        write_json(
+            args.out, {**facts, "heads": args.heads, "block_size": args.block_size, "floors": floors, "cases": rows}
+        )
 
 
 if __name__ == "__main__":

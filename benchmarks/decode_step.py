@@ -84,12 +84,15 @@ def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rn
     ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
     kernel_ms = sum(ms for _, ms in timings)
     all_reduce_ms = sum(ms for name, ms in timings if ALL_REDUCE_KERNEL.search(name))
-    return dict(kernels_per_step=len(timings) / executed,
-                kernel_ms_per_step=kernel_ms / executed,
-                all_reduce_ms_per_step=all_reduce_ms / executed,
-                all_reduce_share=all_reduce_ms / kernel_ms if kernel_ms else 0.0,
-                top_kernels=[dict(name=name[:120], per_step=len(ms) / executed, ms_per_step=sum(ms) / executed)
-                             for name, ms in ranked])
+    return dict(
+        kernels_per_step=len(timings) / executed,
+        kernel_ms_per_step=kernel_ms / executed,
+        all_reduce_ms_per_step=all_reduce_ms / executed,
+        all_reduce_share=all_reduce_ms / kernel_ms if kernel_ms else 0.0,
+        top_kernels=[
+            dict(name=name[:120], per_step=len(ms) / executed, ms_per_step=sum(ms) / executed) for name, ms in ranked
+        ],
+    )
 
 
 def traced_timeline(runner: ModelRunner, batch: int, context: int, steps: int, rng, keep: Path | None) -> dict:
@@ -116,8 +119,16 @@ def measure_case(runner: ModelRunner, batch: int, context: int, args, rng, floor
     kv_bytes = batch * (context + 1) * runner.kv_cache_spec.bytes_per_block / runner.block_size
     # Each of the TP devices reads its share of the weights and KV at the copy rate.
     floor = (weight_bytes + kv_bytes) / (floors["copy_bytes_per_s"] * args.tensor_parallel_size)
-    row = dict(batch=batch, context=context, step_ms=step * 1e3, floor_ms=floor * 1e3, ratio=step / floor,
-               tokens_per_s=batch / step, one_at_a_time_ms=one_at_a_time * 1e3, memory=device_memory())
+    row = dict(
+        batch=batch,
+        context=context,
+        step_ms=step * 1e3,
+        floor_ms=floor * 1e3,
+        ratio=step / floor,
+        tokens_per_s=batch / step,
+        one_at_a_time_ms=one_at_a_time * 1e3,
+        memory=device_memory(),
+    )
     if args.profile:
         row["profile"] = kernel_profile(runner, batch, context, args.steps, rng)
     if args.trace:
@@ -127,24 +138,39 @@ def measure_case(runner: ModelRunner, batch: int, context: int, args, rng, floor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--floor-elements", type=int, default=1 << 30, help="bf16 elements of the copy test (2 GiB)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    parser.add_argument("--scheduler-steps", type=int, default=1,
-                        help="decode steps per dispatch, in one program (multi-step scheduling)")
-    parser.add_argument("--compiler-options", type=json.loads, default=None,
-                        help="XLA options for the step programs as JSON ('{}': XLA's defaults; "
-                        "default: the runner's, by rows: CompilationConfig.step_compiler_options)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="split the model over this many devices (the floor divides by it)")
+    parser.add_argument(
+        "--scheduler-steps",
+        type=int,
+        default=1,
+        help="decode steps per dispatch, in one program (multi-step scheduling)",
+    )
+    parser.add_argument(
+        "--compiler-options",
+        type=json.loads,
+        default=None,
+        help="XLA options for the step programs as JSON ('{}': XLA's defaults; "
+        "default: the runner's, by rows: CompilationConfig.step_compiler_options)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many devices (the floor divides by it)",
+    )
     parser.add_argument("--out", default="decode_step.json")
     parser.add_argument("--profile", action="store_true", help="also record each case's kernels with CUPTI (GPU)")
     parser.add_argument("--trace", action="store_true", help="also trace each case's device timeline (GPU)")
-    parser.add_argument("--keep-events", help="with --trace: save each case's device and host events "
-                        "(a few MB of gzipped JSON; device_timeline.load_events reads them) into this folder")
+    parser.add_argument(
+        "--keep-events",
+        help="with --trace: save each case's device and host events "
+        "(a few MB of gzipped JSON; device_timeline.load_events reads them) into this folder",
+    )
     args = parser.parse_args()
     if args.keep_events and not args.trace:
         parser.error("--keep-events keeps the events of the traces that --trace records; add --trace")
@@ -156,8 +182,15 @@ def main() -> None:
     facts = device_facts()
     floors = measure_floors(args.floor_elements)
     start = time.perf_counter()
-    runner = build_runner(SHAPES[args.shape], args.batches, max(args.contexts), args.steps, args.scheduler_steps,
-                          args.compiler_options, args.tensor_parallel_size)
+    runner = build_runner(
+        SHAPES[args.shape],
+        args.batches,
+        max(args.contexts),
+        args.steps,
+        args.scheduler_steps,
+        args.compiler_options,
+        args.tensor_parallel_size,
+    )
     load_s = time.perf_counter() - start
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
     compile_s = runner.capture_model()
@@ -176,28 +209,48 @@ def main() -> None:
             except Exception as exc:  # out of memory, say: keep the other cases and what was in use
                 rows.append(dict(batch=batch, context=context, error=repr(exc)[:2000], memory=device_memory()))
                 print(f"batch {batch} x {context}: {rows[-1]['error'][:300]}", flush=True)
-    result = dict(**facts, shape=args.shape, scheduler_steps=args.scheduler_steps, tensor_parallel_size=args.tensor_parallel_size,
-                  compiler_options={batch: runner.compiler_options(batch) for batch in args.batches},
-                  weight_gb=weight_bytes / 1e9, load_s=load_s, precompile_s=compile_s,
-                  programs=runner.num_compiled_programs, memory=memory, **floors, rows=rows)
+    result = dict(
+        **facts,
+        shape=args.shape,
+        scheduler_steps=args.scheduler_steps,
+        tensor_parallel_size=args.tensor_parallel_size,
+        compiler_options={batch: runner.compiler_options(batch) for batch in args.batches},
+        weight_gb=weight_bytes / 1e9,
+        load_s=load_s,
+        precompile_s=compile_s,
+        programs=runner.num_compiled_programs,
+        memory=memory,
+        **floors,
+        rows=rows,
+    )
     write_json(args.out, result)
-    print(f"device {facts['device']}, jax {facts['jax']}, weights {weight_bytes / 1e9:.2f} GB, "
-          f"load {load_s:.0f} s, precompile {compile_s:.0f} s ({runner.num_compiled_programs} programs)")
-    print(f"copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {floors['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s "
-          f"(one device); tensor parallel size {args.tensor_parallel_size}")
-    print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'ratio':>6} {'tok/s':>8} {'1-at-a-time ms':>14}")
+    print(
+        f"device {facts['device']}, jax {facts['jax']}, weights {weight_bytes / 1e9:.2f} GB, "
+        f"load {load_s:.0f} s, precompile {compile_s:.0f} s ({runner.num_compiled_programs} programs)"
+    )
+    print(
+        f"copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {floors['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s "
+        f"(one device); tensor parallel size {args.tensor_parallel_size}"
+    )
+    print(
+        f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'ratio':>6} {'tok/s':>8} {'1-at-a-time ms':>14}"
+    )
     for r in rows:
         if "error" in r:
             continue
-        print(f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
-              f"{r['ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['one_at_a_time_ms']:>14.2f}")
+        print(
+            f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
+            f"{r['ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['one_at_a_time_ms']:>14.2f}"
+        )
     for r in rows:
         if "profile" in r:
             prof = r["profile"]
-            print(f"batch {r['batch']} x {r['context']}: {prof['kernels_per_step']:.0f} kernels, "
-                  f"{prof['kernel_ms_per_step']:.2f} ms in kernels of a {r['step_ms']:.2f} ms step "
-                  f"(TP {args.tensor_parallel_size}: all devices), all-reduces {prof['all_reduce_ms_per_step']:.3f} "
-                  f"ms ({100 * prof['all_reduce_share']:.1f}% of the kernel time)")
+            print(
+                f"batch {r['batch']} x {r['context']}: {prof['kernels_per_step']:.0f} kernels, "
+                f"{prof['kernel_ms_per_step']:.2f} ms in kernels of a {r['step_ms']:.2f} ms step "
+                f"(TP {args.tensor_parallel_size}: all devices), all-reduces {prof['all_reduce_ms_per_step']:.3f} "
+                f"ms ({100 * prof['all_reduce_share']:.1f}% of the kernel time)"
+            )
             for k in prof["top_kernels"]:
                 print(f"  {k['ms_per_step']:7.3f} ms  x{k['per_step']:<5.0f} {k['name']}")
         if "timeline" in r:

@@ -95,11 +95,15 @@ class Preset:
 
 
 PRESETS = {
-    # RESULTS.md's bench settings. 256 x 4096 is left out: its KV cache alone (137 GB) does not fit.
+    # The bench settings of the recorded runs. 256 x 4096 is left out: its KV cache alone (137 GB) does not fit.
     "random-llama3-8b": Preset(
         shape="llama3-8b",
-        engine=dict(max_model_len=2048, max_num_seqs=256, token_buckets=[256, 1024, 2048, 4096, 8192],
-                    request_buckets=[16, 64, 256]),
+        engine=dict(
+            max_model_len=2048,
+            max_num_seqs=256,
+            token_buckets=[256, 1024, 2048, 4096, 8192],
+            request_buckets=[16, 64, 256],
+        ),
         decode=[(1, 1024), (1, 4096), (16, 1024), (16, 4096), (64, 1024), (64, 4096), (256, 1024)],
         peer_decode=[(1, 1024), (64, 4096)],
         workloads=[(256, 1000, 1000), (1000, 128, 128)],
@@ -110,8 +114,9 @@ PRESETS = {
     # Toy sizes, few programs to compile, that run every part on a CPU in minutes: to check this script.
     "tiny-llama": Preset(
         shape="tiny",
-        engine=dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[64],
-                    request_buckets=[4]),
+        engine=dict(
+            max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[64], request_buckets=[4]
+        ),
         decode=[(1, 64), (4, 64)],
         peer_decode=[(1, 64)],
         workloads=[(8, 32, 16)],
@@ -150,8 +155,9 @@ class Harness:
             log.flush()
             offset = log.tell()
             env = dict(os.environ, PYTHONUNBUFFERED="1")
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+            )
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -185,8 +191,21 @@ class Harness:
 
     def worker(self, label: str, name: str, *extra: str) -> dict:
         """This script's own ``worker`` mode, for measurements that have no entry point of their own."""
-        return self.run_json(label, lambda out: [sys.executable, "-m", "benchmarks.e2e", "worker", name,
-                                                 "--model", self.model, "--out", str(out), *extra])
+        return self.run_json(
+            label,
+            lambda out: [
+                sys.executable,
+                "-m",
+                "benchmarks.e2e",
+                "worker",
+                name,
+                "--model",
+                self.model,
+                "--out",
+                str(out),
+                *extra,
+            ],
+        )
 
 
 def engine_flags(engine: dict) -> list[str]:
@@ -199,10 +218,28 @@ def engine_flags(engine: dict) -> list[str]:
 
 def bench(h: Harness, label: str, requests: int, input_len: int, output_len: int) -> dict:
     """One `jaxrunner bench` run: its JSON."""
-    return h.run_json(label, lambda out: [
-        sys.executable, "-P", "-m", "jaxrunner", "bench", "--model", h.model, "--quiet", *engine_flags(h.preset.engine),
-        "--num-prompts", str(requests), "--input-len", str(input_len), "--output-len", str(output_len),
-        "--output-json", str(out)])
+    return h.run_json(
+        label,
+        lambda out: [
+            sys.executable,
+            "-P",
+            "-m",
+            "jaxrunner",
+            "bench",
+            "--model",
+            h.model,
+            "--quiet",
+            *engine_flags(h.preset.engine),
+            "--num-prompts",
+            str(requests),
+            "--input-len",
+            str(input_len),
+            "--output-len",
+            str(output_len),
+            "--output-json",
+            str(out),
+        ],
+    )
 
 
 # ------------------------------------------------------------------------ parts
@@ -231,11 +268,28 @@ def part_decode(h: Harness) -> dict:
     runs = []
     for batches, contexts in decode_grids(h.preset.decode):
         label = f"b_decode_{'-'.join(map(str, batches))}x{'-'.join(map(str, contexts))}"
-        runs.append(h.run_json(label, lambda out, batches=batches, contexts=contexts: [
-            sys.executable, "-m", "benchmarks.decode_step", "--shape", h.preset.shape,
-            "--batches", *map(str, batches), "--contexts", *map(str, contexts),
-            "--steps", str(h.preset.decode_steps), "--floor-elements", str(h.preset.floor_elements),
-            "--out", str(out)]))
+        runs.append(
+            h.run_json(
+                label,
+                lambda out, batches=batches, contexts=contexts: [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.decode_step",
+                    "--shape",
+                    h.preset.shape,
+                    "--batches",
+                    *map(str, batches),
+                    "--contexts",
+                    *map(str, contexts),
+                    "--steps",
+                    str(h.preset.decode_steps),
+                    "--floor-elements",
+                    str(h.preset.floor_elements),
+                    "--out",
+                    str(out),
+                ],
+            )
+        )
     return {"runs": runs}
 
 
@@ -249,17 +303,30 @@ def workload_name(requests: int, input_len: int, output_len: int) -> str:
 
 
 def part_throughput(h: Harness) -> dict:
-    return {workload_name(*w): bench(h, f"d_bench_{workload_name(*w).replace('/', '-')}", *w)
-            for w in h.preset.workloads}
+    return {
+        workload_name(*w): bench(h, f"d_bench_{workload_name(*w).replace('/', '-')}", *w) for w in h.preset.workloads
+    }
 
 
 def part_peer(h: Harness) -> dict:
     def command(out: Path) -> list[str]:
-        return [sys.executable, "-m", "benchmarks.hf_peer", "--shape", h.preset.shape,
-                "--decode", *(f"{b}x{c}" for b, c in h.preset.peer_decode),
-                "--workloads", *(workload_name(*w) for w in h.preset.workloads),
-                "--concurrency", str(h.preset.engine["max_num_seqs"]),
-                "--max-batches", str(h.preset.peer_max_batches), "--out", str(out)]
+        return [
+            sys.executable,
+            "-m",
+            "benchmarks.hf_peer",
+            "--shape",
+            h.preset.shape,
+            "--decode",
+            *(f"{b}x{c}" for b, c in h.preset.peer_decode),
+            "--workloads",
+            *(workload_name(*w) for w in h.preset.workloads),
+            "--concurrency",
+            str(h.preset.engine["max_num_seqs"]),
+            "--max-batches",
+            str(h.preset.peer_max_batches),
+            "--out",
+            str(out),
+        ]
 
     return h.run_json("e_hf_peer", command)
 
@@ -268,8 +335,9 @@ def part_startup(h: Harness) -> dict:
     """Cold: an empty compilation cache folder; warm: the same folder again, as the first run left it."""
     cache_dir = tempfile.mkdtemp(prefix="e2e-xla-cache-")
     try:
-        return {start: h.worker(f"f_startup_{start}", "startup", "--cache-dir", cache_dir)
-                for start in ("cold", "warm")}
+        return {
+            start: h.worker(f"f_startup_{start}", "startup", "--cache-dir", cache_dir) for start in ("cold", "warm")
+        }
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
 
@@ -314,8 +382,11 @@ def startup_worker(args: argparse.Namespace) -> dict:
     first_token = time.perf_counter()
     compiling = phases["profile_run_s"] + phases["initialize_kv_cache_s"] + phases["capture_model_s"]
     return {
-        "import_s": imported - start, "construct_s": built - imported, "first_generate_s": first_token - built,
-        "time_to_first_token_s": first_token - imported, **phases,
+        "import_s": imported - start,
+        "construct_s": built - imported,
+        "first_generate_s": first_token - built,
+        "time_to_first_token_s": first_token - imported,
+        **phases,
         # The rest of the constructor: weights (random init or checkpoint), tokenizer, runner set-up.
         "load_s": built - imported - compiling,
         "num_compiled_programs": llm.llm_engine.runner.num_compiled_programs,
@@ -372,8 +443,13 @@ def decode_rows(results: dict, floors: dict) -> list[dict]:
         for r in run["rows"]:
             moved = r["floor_ms"] / 1e3 * run["copy_bytes_per_s"]  # the bytes decode_step counted
             floor_ms = moved / floors["copy_bytes_per_s"] * 1e3
-            row = {"batch": r["batch"], "context": r["context"], "step_ms": r["step_ms"], "floor_ms": floor_ms,
-                   "step_over_floor": r["step_ms"] / floor_ms}
+            row = {
+                "batch": r["batch"],
+                "context": r["context"],
+                "step_ms": r["step_ms"],
+                "floor_ms": floor_ms,
+                "step_over_floor": r["step_ms"] / floor_ms,
+            }
             if (r["batch"], r["context"]) in peer:
                 row["peer_step_ms"] = peer[r["batch"], r["context"]]
                 row["peer_over_ours"] = row["peer_step_ms"] / r["step_ms"]
@@ -397,14 +473,23 @@ def prefill_summary(results: dict, preset: Preset, floors: dict) -> dict:
     requests, input_len = preset.prefill
     flops = requests * prefill_flops(SHAPES[preset.shape], input_len)
     rate = flops / results["prefill"]["elapsed_s"]
-    return {"requests": requests, "input_len": input_len, "elapsed_s": results["prefill"]["elapsed_s"],
-            "flops": flops, "flops_per_s": rate, "matmul_fraction": rate / floors["matmul_flops_per_s"]}
+    return {
+        "requests": requests,
+        "input_len": input_len,
+        "elapsed_s": results["prefill"]["elapsed_s"],
+        "flops": flops,
+        "flops_per_s": rate,
+        "matmul_fraction": rate / floors["matmul_flops_per_s"],
+    }
 
 
 def throughput_rows(results: dict) -> list[dict]:
     """Each workload: our and the peer's output tokens per second, and their ratio."""
-    peer = {workload_name(r["num_prompts"], r["input_len"], r["output_len"]): r
-            for r in results.get("peer", {}).get("throughput", []) if ok(r)}
+    peer = {
+        workload_name(r["num_prompts"], r["input_len"], r["output_len"]): r
+        for r in results.get("peer", {}).get("throughput", [])
+        if ok(r)
+    }
     ours_all = results.get("throughput", {})
     rows = []
     for name in dict.fromkeys([*ours_all, *peer]):
@@ -416,13 +501,19 @@ def throughput_rows(results: dict) -> list[dict]:
             # step; the host share over decode-only steps where the bench reports them (the issue's "host
             # time per decode step"). The batch is the largest one step ran.
             step_ms = ours["elapsed_s"] / ours["num_steps"] * 1e3
-            row |= {"step_ms": step_ms, "host_ms_per_step": ours["host_ms_per_step"],
-                    "host_share": ours.get("decode_host_share", ours["host_ms_per_step"] / step_ms),
-                    "call_share": ours["program_call_ms_per_step"] / step_ms,
-                    "max_batch": ours["max_num_scheduled_reqs"]}
+            row |= {
+                "step_ms": step_ms,
+                "host_ms_per_step": ours["host_ms_per_step"],
+                "host_share": ours.get("decode_host_share", ours["host_ms_per_step"] / step_ms),
+                "call_share": ours["program_call_ms_per_step"] / step_ms,
+                "max_batch": ours["max_num_scheduled_reqs"],
+            }
         if name in peer:
-            row |= {"peer_tokens_per_s": peer[name]["output_tokens_per_s"], "peer_requests_run":
-                    peer[name]["requests_run"], "peer_subset": peer[name]["subset"]}
+            row |= {
+                "peer_tokens_per_s": peer[name]["output_tokens_per_s"],
+                "peer_requests_run": peer[name]["requests_run"],
+                "peer_subset": peer[name]["subset"],
+            }
             if ok(ours):
                 row["ours_over_peer"] = ours["output_tokens_per_s"] / row["peer_tokens_per_s"]
         rows.append(row)
@@ -434,24 +525,37 @@ def targets(summary: dict) -> list[str]:
     lines = []
     decode = [r for r in summary.get("decode", []) if r["batch"] in DECODE_TARGET_BATCHES]
     if decode:
-        lines.append(f"decode step <= {DECODE_TARGET}x floor at batch 1 and 64: " + ", ".join(
-            f"{r['batch']}x{r['context']} {r['step_over_floor']:.2f}"
-            f"{'' if r['step_over_floor'] <= DECODE_TARGET else ' (missed)'}" for r in decode))
-    peer = next((r for r in summary.get("throughput", [])
-                 if r["workload"] == PEER_TARGET_WORKLOAD and "ours_over_peer" in r), None)
+        lines.append(
+            f"decode step <= {DECODE_TARGET}x floor at batch 1 and 64: "
+            + ", ".join(
+                f"{r['batch']}x{r['context']} {r['step_over_floor']:.2f}"
+                f"{'' if r['step_over_floor'] <= DECODE_TARGET else ' (missed)'}"
+                for r in decode
+            )
+        )
+    peer = next(
+        (r for r in summary.get("throughput", []) if r["workload"] == PEER_TARGET_WORKLOAD and "ours_over_peer" in r),
+        None,
+    )
     if peer:
-        lines.append(f">= {PEER_TARGET:.0f}x HF output tok/s at {PEER_TARGET_WORKLOAD}: {peer['ours_over_peer']:.2f}x"
-                     f"{'' if peer['ours_over_peer'] >= PEER_TARGET else ' (missed)'}")
+        lines.append(
+            f">= {PEER_TARGET:.0f}x HF output tok/s at {PEER_TARGET_WORKLOAD}: {peer['ours_over_peer']:.2f}x"
+            f"{'' if peer['ours_over_peer'] >= PEER_TARGET else ' (missed)'}"
+        )
     for r in summary.get("throughput", []):
         if r.get("max_batch") == HOST_SHARE_TARGET_BATCH:
-            lines.append(f"host time < {HOST_SHARE_TARGET:.0%} of the step at batch {HOST_SHARE_TARGET_BATCH} "
-                         f"({r['workload']}): {r['host_share']:.1%}"
-                         f"{'' if r['host_share'] < HOST_SHARE_TARGET else ' (missed)'}")
+            lines.append(
+                f"host time < {HOST_SHARE_TARGET:.0%} of the step at batch {HOST_SHARE_TARGET_BATCH} "
+                f"({r['workload']}): {r['host_share']:.1%}"
+                f"{'' if r['host_share'] < HOST_SHARE_TARGET else ' (missed)'}"
+            )
     warm = summary.get("startup", {}).get("warm")
     if warm:
         seconds = warm["time_to_first_token_s"]
-        lines.append(f"warm start-up to first token < {WARM_START_TARGET_S:.0f} s: {seconds:.1f} s"
-                     f"{'' if seconds < WARM_START_TARGET_S else ' (missed)'}")
+        lines.append(
+            f"warm start-up to first token < {WARM_START_TARGET_S:.0f} s: {seconds:.1f} s"
+            f"{'' if seconds < WARM_START_TARGET_S else ' (missed)'}"
+        )
     return lines
 
 
@@ -488,52 +592,72 @@ def guarded_summary(results: dict, preset: Preset) -> dict:
 
 
 def floor_lines(floors: dict) -> list[str]:
-    copies = ", ".join(f"{name} {floors[f'{name}_copy_bytes_per_s'] / 1e12:.2f}" for name in ("jax", "torch")
-                       if f"{name}_copy_bytes_per_s" in floors)
-    return [f"(a) floors: copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s ({copies or 'one copy'}), "
-            f"bf16 matmul {floors['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"]
+    copies = ", ".join(
+        f"{name} {floors[f'{name}_copy_bytes_per_s'] / 1e12:.2f}"
+        for name in ("jax", "torch")
+        if f"{name}_copy_bytes_per_s" in floors
+    )
+    return [
+        f"(a) floors: copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s ({copies or 'one copy'}), "
+        f"bf16 matmul {floors['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
+    ]
 
 
 def decode_lines(rows: list[dict]) -> list[str]:
-    lines = ["(b) decode step: ours / floor [(weights + KV) / copy]; HF / ours",
-             f"    {'batch':>5} {'context':>7} {'ours ms':>8} {'floor ms':>8} {'ours/floor':>10} {'HF ms':>8} "
-             f"{'HF/ours':>7}"]
+    lines = [
+        "(b) decode step: ours / floor [(weights + KV) / copy]; HF / ours",
+        f"    {'batch':>5} {'context':>7} {'ours ms':>8} {'floor ms':>8} {'ours/floor':>10} {'HF ms':>8} "
+        f"{'HF/ours':>7}",
+    ]
     for r in rows:
         peer = f"{r['peer_step_ms']:>8.2f} {r['peer_over_ours']:>7.2f}" if "peer_step_ms" in r else ""
-        lines.append(f"    {r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
-                     f"{r['step_over_floor']:>10.2f} {peer}")
+        lines.append(
+            f"    {r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
+            f"{r['step_over_floor']:>10.2f} {peer}"
+        )
     return lines
 
 
 def prefill_lines(p: dict) -> list[str]:
-    return [f"(c) prefill {p['requests']} x {p['input_len']} tokens in {p['elapsed_s']:.1f} s: "
-            f"{p['flops_per_s'] / 1e12:.0f} TFLOP/s = {p['matmul_fraction']:.2f} of the matmul floor"]
+    return [
+        f"(c) prefill {p['requests']} x {p['input_len']} tokens in {p['elapsed_s']:.1f} s: "
+        f"{p['flops_per_s'] / 1e12:.0f} TFLOP/s = {p['matmul_fraction']:.2f} of the matmul floor"
+    ]
 
 
 def throughput_lines(rows: list[dict]) -> list[str]:
-    lines = ["(d, e) offline output tok/s: ours, HF transformers, ours / HF; per step of ours, the share of the",
-             "       engine's host work and of the calls into the compiled programs",
-             f"    {'workload':>15} {'ours':>8} {'host %':>6} {'calls %':>7} {'HF':>8} {'ours/HF':>7}  HF requests run"]
+    lines = [
+        "(d, e) offline output tok/s: ours, HF transformers, ours / HF; per step of ours, the share of the",
+        "       engine's host work and of the calls into the compiled programs",
+        f"    {'workload':>15} {'ours':>8} {'host %':>6} {'calls %':>7} {'HF':>8} {'ours/HF':>7}  HF requests run",
+    ]
     for r in rows:
         ours = f"{r['ours_tokens_per_s']:>8.0f}" if r["ours_tokens_per_s"] else f"{'-':>8}"
         ours += f" {r['host_share']:>6.1%} {r['call_share']:>7.1%}" if "host_share" in r else f" {'-':>6} {'-':>7}"
         ratio = f"{r['ours_over_peer']:>7.2f}" if "ours_over_peer" in r else f"{'-':>7}"
         subset = " (a subset)" if r.get("peer_subset") else ""
-        peer = f"{r['peer_tokens_per_s']:>8.0f} {ratio}  {r['peer_requests_run']}{subset}" if r.get(
-            "peer_tokens_per_s") else ""
+        peer = (
+            f"{r['peer_tokens_per_s']:>8.0f} {ratio}  {r['peer_requests_run']}{subset}"
+            if r.get("peer_tokens_per_s")
+            else ""
+        )
         lines.append(f"    {r['workload']:>15} {ours} {peer}")
     return lines
 
 
 def startup_lines(startup: dict) -> list[str]:
-    lines = ["(f) start-up: LLM(...) to the first token",
-             f"    {'':>5} {'total s':>8} {'load s':>7} {'KV init s':>9} {'precompile s':>12} {'programs':>8} "
-             f"{'compiled by 1st generate':>24}"]
+    lines = [
+        "(f) start-up: LLM(...) to the first token",
+        f"    {'':>5} {'total s':>8} {'load s':>7} {'KV init s':>9} {'precompile s':>12} {'programs':>8} "
+        f"{'compiled by 1st generate':>24}",
+    ]
     for start, s in startup.items():
-        lines.append(f"    {start:>5} {s['time_to_first_token_s']:>8.1f} {s['load_s']:>7.1f} "
-                     f"{s.get('profile_run_s', 0) + s.get('initialize_kv_cache_s', 0):>9.1f} "
-                     f"{s.get('capture_model_s', 0):>12.1f} "
-                     f"{s['num_compiled_programs']:>8} {s['xla_programs_built_by_first_generate']:>24}")
+        lines.append(
+            f"    {start:>5} {s['time_to_first_token_s']:>8.1f} {s['load_s']:>7.1f} "
+            f"{s.get('profile_run_s', 0) + s.get('initialize_kv_cache_s', 0):>9.1f} "
+            f"{s.get('capture_model_s', 0):>12.1f} "
+            f"{s['num_compiled_programs']:>8} {s['xla_programs_built_by_first_generate']:>24}"
+        )
     if {"cold", "warm"} <= startup.keys():
         cold, warm = (startup[k]["time_to_first_token_s"] for k in ("cold", "warm"))
         lines.append(f"    warm / cold: {warm / cold:.2f}")
@@ -593,14 +717,22 @@ def parse_args() -> argparse.Namespace:
     # Imported here, not at the top, so that the start-up worker times the import of JAX and jaxrunner.
     from benchmarks.harness import parse_pair, parse_workload
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS), help="run in this order")
-    parser.add_argument("--model", choices=sorted(PRESETS), default="random-llama3-8b",
-                        help="the built-in model; its preset sets every size below")
+    parser.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default="random-llama3-8b",
+        help="the built-in model; its preset sets every size below",
+    )
     parser.add_argument("--out-dir", default="e2e")
     parser.add_argument("--timeout", type=float, default=420, help="seconds each subprocess may run")
-    parser.add_argument("--budget", type=float, default=540,
-                        help="seconds the whole run may take: a subprocess gets at most what is left of it")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=540,
+        help="seconds the whole run may take: a subprocess gets at most what is left of it",
+    )
     parser.add_argument("--decode", type=parse_pair, nargs="+", help="our decode cases BATCHxCONTEXT")
     parser.add_argument("--peer-decode", type=parse_pair, nargs="*", help="the peer's decode cases BATCHxCONTEXT")
     parser.add_argument("--workloads", type=parse_workload, nargs="+", help="offline workloads REQUESTSxIN/OUT")
@@ -629,8 +761,15 @@ def main() -> None:
     log = out_dir / "e2e.log"
     log.write_text("")
     parts = "".join(dict.fromkeys(args.parts))
-    results: dict = {"meta": {"model": args.model, "parts": parts, "date": time.strftime("%Y-%m-%d %H:%M"),
-                              "argv": sys.argv, "preset": dataclasses.asdict(preset)}}
+    results: dict = {
+        "meta": {
+            "model": args.model,
+            "parts": parts,
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "argv": sys.argv,
+            "preset": dataclasses.asdict(preset),
+        }
+    }
     with tempfile.TemporaryDirectory(prefix="e2e-") as scratch:
         harness = Harness(args.model, preset, Path(scratch), log, args.timeout, time.monotonic() + args.budget)
         for part in parts:

@@ -38,8 +38,14 @@ SHAPES: dict[str, TransformerConfig] = {
     # Llama-3-8B's structure (32 layers, 32/8 heads of 128, 128k vocabulary) with narrow matrices: its weights
     # take microseconds to read, so a decode step's time is the fixed cost every step pays whatever the width.
     "llama3-8b-narrow": TransformerConfig(
-        vocab_size=128256, hidden_size=512, intermediate_size=1024, num_layers=32,
-        num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+        vocab_size=128256,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
     ),
     # The built-in tiny-llama's shape: every script runs at toy size on a CPU with it (the test suite does).
     "tiny": BUILTIN_MODELS["tiny-llama"],
@@ -63,8 +69,14 @@ def commit() -> str | None:
 def device_facts() -> dict:
     """Where and on what a result was measured: the device, its count, JAX's version, the date and the commit."""
     device = jax.devices()[0]
-    return dict(device=device.device_kind, platform=device.platform, num_devices=jax.device_count(),
-                jax=jax.__version__, date=time.strftime("%Y-%m-%d"), commit=commit())
+    return dict(
+        device=device.device_kind,
+        platform=device.platform,
+        num_devices=jax.device_count(),
+        jax=jax.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        commit=commit(),
+    )
 
 
 def write_json(path: str | Path, result: dict) -> None:
@@ -203,8 +215,9 @@ def fill_random(kv_caches):
         for j, cache in enumerate(layer):
             shape, dtype, sharding = cache.shape, cache.dtype, cache.sharding
             cache.delete()
-            make = jax.jit(lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype),
-                           out_shardings=sharding)
+            make = jax.jit(
+                lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype), out_shardings=sharding
+            )
             filled.append(make(jax.random.fold_in(key, 2 * i + j)))
         out.append(tuple(filled))
     return out
@@ -219,8 +232,13 @@ def device_memory() -> dict[str, int]:
 
 
 def build_runner(
-    model: TransformerConfig, batches: list[int], max_context: int, steps: int, scheduler_steps: int = 1,
-    compiler_options: dict | None = None, tensor_parallel_size: int = 1,
+    model: TransformerConfig,
+    batches: list[int],
+    max_context: int,
+    steps: int,
+    scheduler_steps: int = 1,
+    compiler_options: dict | None = None,
+    tensor_parallel_size: int = 1,
 ) -> ModelRunner:
     """A runner on a random-weight bf16 ``model``, buckets exactly ``batches``, a random KV cache for
     ``max(batches)`` requests of ``max_context`` tokens and ``steps`` rounds more, ``scheduler_steps``
@@ -233,11 +251,15 @@ def build_runner(
     config = RunnerConfig(
         model_config=ModelConfig(dtype="bfloat16", max_model_len=max_model_len),
         cache_config=CacheConfig(num_gpu_blocks_override=max_batch * (-(-max_model_len // 16)) + 16),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max_batch,
-                                         async_scheduling=True, num_scheduler_steps=scheduler_steps),
-        compilation_config=CompilationConfig(token_buckets=sorted(set(batches)),
-                                             request_buckets=sorted(set(batches)),
-                                             compiler_options=compiler_options),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_batch,
+            max_num_batched_tokens=max_batch,
+            async_scheduling=True,
+            num_scheduler_steps=scheduler_steps,
+        ),
+        compilation_config=CompilationConfig(
+            token_buckets=sorted(set(batches)), request_buckets=sorted(set(batches)), compiler_options=compiler_options
+        ),
         parallel_config=parallel,
     )
     runner = ModelRunner(config, mesh)
@@ -265,8 +287,13 @@ def add_decoding_requests(runner: ModelRunner, batch: int, context: int, steps: 
     pool = rng.permutation(runner.num_blocks)
     ids = [f"{tag}b{batch}c{context}r{i}" for i in range(batch)]
     new_reqs = [
-        NewRequestData(req_id, rng.integers(0, runner.vocab_size, context).tolist(), SamplingParams(temperature=0.0),
-                       (pool[i * blocks_per_req : (i + 1) * blocks_per_req].tolist(),), context - 1)
+        NewRequestData(
+            req_id,
+            rng.integers(0, runner.vocab_size, context).tolist(),
+            SamplingParams(temperature=0.0),
+            (pool[i * blocks_per_req : (i + 1) * blocks_per_req].tolist(),),
+            context - 1,
+        )
         for i, req_id in enumerate(ids)
     ]
     runner.execute_model(SchedulerOutput(new_reqs, CachedRequestData(), {r: 1 for r in ids}, batch))
@@ -277,8 +304,9 @@ def decode_step_output(ids: list[str], context: int, step: int, round_steps: int
     """The scheduler's output for decode round ``step`` after the first step: ``round_steps`` steps of
     one token for every request."""
     cached = CachedRequestData(ids, [context + step * round_steps] * len(ids), [None] * len(ids))
-    return SchedulerOutput([], cached, {r: round_steps for r in ids}, len(ids) * round_steps,
-                           num_decode_steps=round_steps)
+    return SchedulerOutput(
+        [], cached, {r: round_steps for r in ids}, len(ids) * round_steps, num_decode_steps=round_steps
+    )
 
 
 def finish_decoding_requests(runner: ModelRunner, ids: list[str]) -> None:

@@ -29,16 +29,20 @@ from jaxrunner import LLM, SamplingParams
 DEVICE_SPANS = ("program_call", "device_wait")
 
 
-def breakdown(seconds: dict[str, float], counts: dict[str, int], steps: int) -> dict[str, dict[str, float]]:
+def breakdown(seconds: dict[str, float], counts: dict[str, int], steps: int) -> dict[str, dict[str, dict[str, float]]]:
     """Per span: milliseconds per engine step and entries per step, host spans first, largest first."""
-    per_step = {name: {"ms_per_step": s / steps * 1e3, "entries_per_step": counts.get(name, 0) / steps}
-                for name, s in sorted(seconds.items(), key=lambda item: -item[1])}
-    return {"host": {k: v for k, v in per_step.items() if k not in DEVICE_SPANS},
-            "device": {k: v for k, v in per_step.items() if k in DEVICE_SPANS}}
+    per_step = {
+        name: {"ms_per_step": s / steps * 1e3, "entries_per_step": counts.get(name, 0) / steps}
+        for name, s in sorted(seconds.items(), key=lambda item: -item[1])
+    }
+    return {
+        "host": {k: v for k, v in per_step.items() if k not in DEVICE_SPANS},
+        "device": {k: v for k, v in per_step.items() if k in DEVICE_SPANS},
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -51,9 +55,12 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     args = parser.parse_args()
     llm = LLM(
-        args.model, max_num_seqs=args.requests, max_num_batched_tokens=max(args.token_buckets or [0]) or None,
+        args.model,
+        max_num_seqs=args.requests,
+        max_num_batched_tokens=max(args.token_buckets or [0]) or None,
         max_model_len=args.max_model_len or args.prompt_len + args.output_len + 16,
-        token_buckets=args.token_buckets, request_buckets=args.request_buckets,
+        token_buckets=args.token_buckets,
+        request_buckets=args.request_buckets,
         num_scheduler_steps=args.num_scheduler_steps,
     )
     prompts = [[(7 * i + j) % 200 + 3 for j in range(args.prompt_len)] for i in range(args.requests)]
@@ -62,25 +69,40 @@ def main() -> None:
     engine.step_times = type(engine.step_times)()
     engine.spans.reset()
     start = time.perf_counter()
-    llm.generate(prompts, SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=1.0),
-                 use_tqdm=False)
+    llm.generate(prompts, SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=1.0), use_tqdm=False)
     elapsed = time.perf_counter() - start
     times = engine.step_times
     per_step = lambda seconds: seconds / times.num_steps * 1e3
-    result = dict(**device_facts(), model=args.model, requests=args.requests, prompt_len=args.prompt_len,
-                  output_len=args.output_len, steps=times.num_steps, wall_ms=per_step(elapsed),
-                  host_ms=per_step(times.host_s), call_ms=per_step(times.call_s), wait_ms=per_step(times.wait_s))
+    result = dict(
+        **device_facts(),
+        model=args.model,
+        requests=args.requests,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        steps=times.num_steps,
+        wall_ms=per_step(elapsed),
+        host_ms=per_step(times.host_s),
+        call_ms=per_step(times.call_s),
+        wait_ms=per_step(times.wait_s),
+    )
     if times.decode_steps:
-        result.update(decode_steps=times.decode_steps, decode_step_ms=times.decode_wall_s / times.decode_steps * 1e3,
-                      decode_host_ms=times.decode_host_s / times.decode_steps * 1e3)
+        result.update(
+            decode_steps=times.decode_steps,
+            decode_step_ms=times.decode_wall_s / times.decode_steps * 1e3,
+            decode_host_ms=times.decode_host_s / times.decode_steps * 1e3,
+        )
         result["decode_host_share"] = result["decode_host_ms"] / result["decode_step_ms"]
     if args.breakdown:
         result["spans"] = breakdown(engine.spans.seconds, engine.spans.counts, times.num_steps)
-    print(f"steps {times.num_steps} wall/step {result['wall_ms']:.2f} ms host {result['host_ms']:.2f} "
-          f"call {result['call_ms']:.2f} wait {result['wait_ms']:.2f}")
+    print(
+        f"steps {times.num_steps} wall/step {result['wall_ms']:.2f} ms host {result['host_ms']:.2f} "
+        f"call {result['call_ms']:.2f} wait {result['wait_ms']:.2f}"
+    )
     if times.decode_steps:
-        print(f"{times.decode_steps} decode-only steps: {result['decode_step_ms']:.2f} ms each, engine host work "
-              f"{result['decode_host_ms']:.2f} ms ({100 * result['decode_host_share']:.1f}%)")
+        print(
+            f"{times.decode_steps} decode-only steps: {result['decode_step_ms']:.2f} ms each, engine host work "
+            f"{result['decode_host_ms']:.2f} ms ({100 * result['decode_host_share']:.1f}%)"
+        )
     for kind, spans in result.get("spans", {}).items():
         for name, span in spans.items():
             print(f"  {kind} {name}: {span['ms_per_step']:.3f} ms a step ({span['entries_per_step']:.2f} entries)")

@@ -89,17 +89,26 @@ def time_variant(fn, options, x, weights, repeats: int) -> dict:
     timings = cupti_kernel_timings(passes)
     per_kernel = ms_by_kernel(timings)
     top = max(per_kernel, key=lambda name: per_kernel[name])
-    return dict(kernel_s=sum(per_kernel.values()) / 1e3 / calls, kernels_per_call=len(timings) / calls,
-                top_kernel=top[:100], timer="cupti", max_rel_error=error)
+    return dict(
+        kernel_s=sum(per_kernel.values()) / 1e3 / calls,
+        kernels_per_call=len(timings) / calls,
+        top_kernel=top[:100],
+        timer="cupti",
+        max_rel_error=error,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--split-k", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--projections", nargs="+", choices=[name for name, _, _ in PROJECTIONS],
-                        default=[name for name, _, _ in PROJECTIONS])
+    parser.add_argument(
+        "--projections",
+        nargs="+",
+        choices=[name for name, _, _ in PROJECTIONS],
+        default=[name for name, _, _ in PROJECTIONS],
+    )
     parser.add_argument("--scale", type=int, default=1, help="divide every projection's sizes by this (toy runs)")
     parser.add_argument("--floor-elements", type=int, default=1 << 30, help="bf16 elements of the copy test (2 GiB)")
     parser.add_argument("--out", default="matmul_step.json")
@@ -124,8 +133,13 @@ def main() -> None:
                     row = time_variant(fn, options, x, weights, args.repeats)
                 except Exception as exc:  # an option this XLA lacks, say: keep the other variants
                     row = dict(error=repr(exc)[:500])
-                row.update(projection=name, rows=m, variant=variant, floor_s=floor,
-                           seconds_to_measure=time.perf_counter() - start)
+                row.update(
+                    projection=name,
+                    rows=m,
+                    variant=variant,
+                    floor_s=floor,
+                    seconds_to_measure=time.perf_counter() - start,
+                )
                 if "kernel_s" in row:
                     row["fraction_of_copy"] = floor / row["kernel_s"]
                     row["fraction_of_matmul"] = 2 * m * k * n / floors["matmul_flops_per_s"] / row["kernel_s"]
@@ -134,16 +148,21 @@ def main() -> None:
         del weights
     result = dict(**facts, **floors, rows=rows)
     write_json(args.out, result)
-    print(f"\n{result['device']}, copy {copy / 1e12:.2f} TB/s, matmul {floors['matmul_flops_per_s'] / 1e12:.0f} "
-          "TFLOP/s; kernel time per call (us) / fraction of the copy floor / fraction of the matmul rate")
+    print(
+        f"\n{result['device']}, copy {copy / 1e12:.2f} TB/s, matmul {floors['matmul_flops_per_s'] / 1e12:.0f} "
+        "TFLOP/s; kernel time per call (us) / fraction of the copy floor / fraction of the matmul rate"
+    )
     names = list(dict.fromkeys(r["variant"] for r in rows))
     print("projection rows floor_us " + " ".join(names))
     for name, _, _ in projections:
         for m in args.rows:
             cells = [r for r in rows if r["projection"] == name and r["rows"] == m]
-            text = [f"{r['kernel_s'] * 1e6:.1f}/{r['fraction_of_copy']:.2f}/{r['fraction_of_matmul']:.2f}"
-                    if "kernel_s" in r else "error"
-                    for r in cells]
+            text = [
+                f"{r['kernel_s'] * 1e6:.1f}/{r['fraction_of_copy']:.2f}/{r['fraction_of_matmul']:.2f}"
+                if "kernel_s" in r
+                else "error"
+                for r in cells
+            ]
             print(f"{name} {m} {cells[0]['floor_s'] * 1e6:.1f} " + " ".join(text))
 
 

@@ -69,38 +69,48 @@ def attention_decode_figure(source: dict, batch: int, context: int) -> tuple[str
     """The kernel's KV read rate over the copy rate (device time of the whole call), and against the shipped kernel."""
     row = attention_case(source, "decode", batch, context)
     vs = row["pallas_paged_attention_device_s"] / row["ours_device_s"]
-    return (f"{row['ours_device_kv_bw_fraction']:.0%}",
-            f"{row['ours_device_s'] * 1e6:.1f} us a call (kernel alone {row['ours_kernel_kv_bw_fraction']:.0%}); "
-            f"{vs:.2f}x the shipped Pallas paged_attention")
+    return (
+        f"{row['ours_device_kv_bw_fraction']:.0%}",
+        f"{row['ours_device_s'] * 1e6:.1f} us a call (kernel alone {row['ours_kernel_kv_bw_fraction']:.0%}); "
+        f"{vs:.2f}x the shipped Pallas paged_attention",
+    )
 
 
 def attention_prefill_figure(source: dict, batch: int, context: int) -> tuple[str, str]:
     """The kernel's causal FLOP rate over the matmul rate, and against the dense FlashAttention-3."""
     row = attention_case(source, "prefill", batch, context)
     vs = row["pallas_attention_mgpu_device_s"] / row["ours_device_s"]
-    return (f"{row['ours_device_matmul_fraction']:.0%}",
-            f"{row['ours_device_s'] * 1e6:.0f} us a call (kernel alone {row['ours_kernel_matmul_fraction']:.0%}); "
-            f"{vs:.2f}x the dense FlashAttention-3 (attention_mgpu)")
+    return (
+        f"{row['ours_device_matmul_fraction']:.0%}",
+        f"{row['ours_device_s'] * 1e6:.0f} us a call (kernel alone {row['ours_kernel_matmul_fraction']:.0%}); "
+        f"{vs:.2f}x the dense FlashAttention-3 (attention_mgpu)",
+    )
 
 
 def prefill_figure(source: dict) -> tuple[str, str]:
     p = source["data"]["summary"]["prefill"]
-    return (f"{p['matmul_fraction']:.0%}",
-            f"{p['requests']} prompts x {p['input_len']} tokens in {p['elapsed_s']:.1f} s, "
-            f"{p['flops_per_s'] / 1e12:.0f} TFLOP/s")
+    return (
+        f"{p['matmul_fraction']:.0%}",
+        f"{p['requests']} prompts x {p['input_len']} tokens in {p['elapsed_s']:.1f} s, "
+        f"{p['flops_per_s'] / 1e12:.0f} TFLOP/s",
+    )
 
 
 def throughput_figure(source: dict) -> tuple[str, str]:
     row = next(r for r in source["data"]["summary"]["throughput"] if r["workload"] == THROUGHPUT_WORKLOAD)
-    return (f"{row['ours_over_peer']:.2f}x HF",
-            f"{row['ours_tokens_per_s']:,.0f} output tok/s against HF transformers' {row['peer_tokens_per_s']:,.0f}")
+    return (
+        f"{row['ours_over_peer']:.2f}x HF",
+        f"{row['ours_tokens_per_s']:,.0f} output tok/s against HF transformers' {row['peer_tokens_per_s']:,.0f}",
+    )
 
 
 def host_share_figure(source: dict) -> tuple[str, str]:
     data = source["data"]
-    return (f"{data['decode_host_share']:.1%}",
-            f"{data['decode_host_ms_per_step']:.2f} ms of a {data['decode_step_ms']:.2f} ms step "
-            f"({data['decode_steps']} decode-only steps; {data['output_tokens_per_s']:,.0f} output tok/s)")
+    return (
+        f"{data['decode_host_share']:.1%}",
+        f"{data['decode_host_ms_per_step']:.2f} ms of a {data['decode_step_ms']:.2f} ms step "
+        f"({data['decode_steps']} decode-only steps; {data['output_tokens_per_s']:,.0f} output tok/s)",
+    )
 
 
 def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
@@ -108,18 +118,32 @@ def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
     has ratio "not measured" and no source."""
     wanted: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = []
     for batch, context in DECODE_CASES:
-        wanted.append((f"decode step / bandwidth floor, batch {batch} x {size(context)}", f"decode:{batch}x{context}",
-                       lambda s, b=batch, c=context: decode_figure(s, b, c)))
+        wanted.append(
+            (
+                f"decode step / bandwidth floor, batch {batch} x {size(context)}",
+                f"decode:{batch}x{context}",
+                lambda s, b=batch, c=context: decode_figure(s, b, c),
+            )
+        )
     for batch, context in ATTENTION_DECODE_CASES:
-        wanted.append((f"attention kernel, decode {batch} x {size(context)}: KV read / copy rate", "attention",
-                       lambda s, b=batch, c=context: attention_decode_figure(s, b, c)))
+        wanted.append(
+            (
+                f"attention kernel, decode {batch} x {size(context)}: KV read / copy rate",
+                "attention",
+                lambda s, b=batch, c=context: attention_decode_figure(s, b, c),
+            )
+        )
     for batch, context in ATTENTION_PREFILL_CASES:
-        wanted.append((f"attention kernel, prefill {batch} x {size(context)}: FLOP/s / matmul rate", "attention",
-                       lambda s, b=batch, c=context: attention_prefill_figure(s, b, c)))
+        wanted.append(
+            (
+                f"attention kernel, prefill {batch} x {size(context)}: FLOP/s / matmul rate",
+                "attention",
+                lambda s, b=batch, c=context: attention_prefill_figure(s, b, c),
+            )
+        )
     wanted += [
         ("prefill, whole model (`jaxrunner bench`, output length 1): FLOP/s / matmul rate", "prefill", prefill_figure),
-        (f"offline throughput {THROUGHPUT_WORKLOAD}: output tok/s / HF transformers'", "throughput",
-         throughput_figure),
+        (f"offline throughput {THROUGHPUT_WORKLOAD}: output tok/s / HF transformers'", "throughput", throughput_figure),
         ("host work / decode step, batch 64 (`jaxrunner bench` 64 x 1000/256)", "host_share", host_share_figure),
     ]
     rows = []
@@ -152,8 +176,10 @@ def table(sources: list[dict]) -> str:
         s = by_file[name]
         commit = f"commit {s['commit']}" if s.get("commit") else f"recorded in commit {s['recorded_in']}"
         note = f"; {s['note']}" if s.get("note") else ""
-        lines.append(f"{i}. {s['device']}, jax {s['jax']}, {s['date']}, {commit}: `{s['command']}` "
-                     f"([{name}](results/latest/{name}){note})")
+        lines.append(
+            f"{i}. {s['device']}, jax {s['jax']}, {s['date']}, {commit}: `{s['command']}` "
+            f"([{name}](results/latest/{name}){note})"
+        )
     return "\n".join(lines)
 
 
@@ -164,15 +190,16 @@ def with_table(readme: str, generated: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only check that README's table is up to date")
     args = parser.parse_args()
     readme = README.read_text()
     updated = with_table(readme, table(load_sources()))
     if args.check:
         if updated != readme:
-            sys.exit("benchmarks/README.md's table is not the one results/latest/ gives: "
-                     "run python -m benchmarks.report")
+            sys.exit(
+                "benchmarks/README.md's table is not the one results/latest/ gives: run python -m benchmarks.report"
+            )
         return
     README.write_text(updated)
 

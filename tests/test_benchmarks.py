@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,24 +26,107 @@ TIMEOUT_S = 600
 
 # Each script's toy command line; "{out}" is its output file (a folder for e2e).
 COMMANDS = {
-    "decode_step": ["--shape", "tiny", "--batches", "2", "--contexts", "32", "--steps", "4",
-                    "--floor-elements", "65536", "--out", "{out}"],
-    "attention_step": ["--heads", "small", "--only", "decode:2:64", "prefill:1:64", "--implementations", "reference",
-                       "--repeats", "1", "--floor-elements", "65536", "--out", "{out}"],
-    "matmul_step": ["--rows", "1", "4", "--split-k", "2", "--repeats", "1", "--projections", "qkv", "o",
-                    "--scale", "64", "--floor-elements", "65536", "--out", "{out}"],
-    "sampler_step": ["--shape", "tiny", "--batch", "4", "--vocab", "512", "--context", "32", "--repeats", "3",
-                     "--out", "{out}"],
-    "host_work": ["--requests", "4", "--prompt-len", "8", "--output-len", "16", "--max-model-len", "64",
-                  "--token-buckets", "16", "--request-buckets", "4", "--breakdown", "--out", "{out}"],
-    "hf_peer": ["--shape", "tiny", "--decode", "1x32", "--workloads", "4x16/8", "--concurrency", "2", "--steps", "3",
-                "--warmup", "1", "--no-compile", "--out", "{out}"],
+    "decode_step": [
+        "--shape",
+        "tiny",
+        "--batches",
+        "2",
+        "--contexts",
+        "32",
+        "--steps",
+        "4",
+        "--floor-elements",
+        "65536",
+        "--out",
+        "{out}",
+    ],
+    "attention_step": [
+        "--heads",
+        "small",
+        "--only",
+        "decode:2:64",
+        "prefill:1:64",
+        "--implementations",
+        "reference",
+        "--repeats",
+        "1",
+        "--floor-elements",
+        "65536",
+        "--out",
+        "{out}",
+    ],
+    "matmul_step": [
+        "--rows",
+        "1",
+        "4",
+        "--split-k",
+        "2",
+        "--repeats",
+        "1",
+        "--projections",
+        "qkv",
+        "o",
+        "--scale",
+        "64",
+        "--floor-elements",
+        "65536",
+        "--out",
+        "{out}",
+    ],
+    "sampler_step": [
+        "--shape",
+        "tiny",
+        "--batch",
+        "4",
+        "--vocab",
+        "512",
+        "--context",
+        "32",
+        "--repeats",
+        "3",
+        "--out",
+        "{out}",
+    ],
+    "host_work": [
+        "--requests",
+        "4",
+        "--prompt-len",
+        "8",
+        "--output-len",
+        "16",
+        "--max-model-len",
+        "64",
+        "--token-buckets",
+        "16",
+        "--request-buckets",
+        "4",
+        "--breakdown",
+        "--out",
+        "{out}",
+    ],
+    "hf_peer": [
+        "--shape",
+        "tiny",
+        "--decode",
+        "1x32",
+        "--workloads",
+        "4x16/8",
+        "--concurrency",
+        "2",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--no-compile",
+        "--out",
+        "{out}",
+    ],
     "e2e": ["--model", "tiny-llama", "--parts", "a", "f", "--out-dir", "{out}"],
 }
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.Popen, Path, Path]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[subprocess.Popen, Path, Path]]]:
     """Every script started at once, on one CPU device: name -> (process, its output, its log)."""
     folder = tmp_path_factory.mktemp("benchmarks")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
@@ -51,8 +135,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess
         out, log = folder / (name if name == "e2e" else f"{name}.json"), folder / f"{name}.log"
         command = [sys.executable, "-m", f"benchmarks.{name}", *(a.format(out=out) for a in args)]
         with open(log, "w") as sink:
-            started[name] = (subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT),
-                             out, log)
+            started[name] = (
+                subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT),
+                out,
+                log,
+            )
     yield started
     for process, _, _ in started.values():
         if process.poll() is None:
@@ -151,7 +238,8 @@ def test_readme_table_is_the_one_latest_results_give():
 def test_table_has_every_figure_from_a_recorded_run():
     rows = report.figures(report.load_sources())
     measured = {label for label, ratio, _, source in rows if source is not None}
-    assert len(rows) == len(report.DECODE_CASES) + len(report.ATTENTION_DECODE_CASES) + len(
-        report.ATTENTION_PREFILL_CASES
-    ) + 3
+    assert (
+        len(rows)
+        == len(report.DECODE_CASES) + len(report.ATTENTION_DECODE_CASES) + len(report.ATTENTION_PREFILL_CASES) + 3
+    )
     assert measured == {label for label, *_ in rows} - {"decode step / bandwidth floor, batch 256 x 4k"}
