@@ -1,6 +1,6 @@
 """A device's timeline from a ``jax.profiler`` trace: busy time, idle gaps, and what borders each gap.
 
-CUPTI's kernel record (``decode_step.py --profile``) says how long the kernels
+CUPTI's kernel record (``benchmarks.decode_step --profile``) says how long the kernels
 ran, not what the device waited for between them. The profiler's trace holds
 every kernel, copy and memset on every stream of the device, so the time with
 nothing running can be split into its gaps: many short ones (the cost of one
