@@ -14,9 +14,16 @@ the copy bandwidth; prefill as TFLOP/s (causal FLOPs) over the matmul rate.
 the cases the table is tuned for, each checked against the reference;
 ``--kv-write`` times the KV cache write, XLA's scatter against the Mosaic GPU kernel.
 
-    python benchmarks/attention_step.py --out attention_step.json
-    python benchmarks/attention_step.py --sweep --out attention_sweep.json
-    python benchmarks/attention_step.py --kv-write --out kv_write.json
+Off a GPU our kernel runs through the Mosaic GPU interpreter (about half a
+minute a call at toy size), CUPTI and the shipped GPU baselines are skipped,
+and only the wall time is recorded; ``--implementations reference`` times the
+reference alone: with ``--heads small --only decode:2:64 --implementations
+reference --repeats 1 --floor-elements 65536`` the script runs on a CPU in
+seconds (the test suite's check).
+
+    python -m benchmarks.attention_step --out attention_step.json
+    python -m benchmarks.attention_step --sweep --out attention_sweep.json
+    python -m benchmarks.attention_step --kv-write --out kv_write.json
 """
 
 from __future__ import annotations
@@ -33,8 +40,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.harness import (
+    cupti_kernel_timings,
+    device_facts,
+    has_cupti,
+    measure_floors,
+    ms_by_kernel,
+    write_json,
+)
+from jaxrunner.compat import mosaic_gpu_interpreter_off_gpu
 from jaxrunner.ops.attention_metadata import AttentionMetadata
-from decode_step import cupti_kernel_timings, measure_floors
 from jaxrunner.ops.attention_mgpu import (
     KernelConfig,
     config_for,
@@ -44,11 +59,28 @@ from jaxrunner.ops.attention_mgpu import (
 )
 from jaxrunner.ops.attention_reference import ragged_paged_attention_reference
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-SM_SCALE = HEAD_DIM**-0.5
+BLOCK_SIZE = 16
 
 
-def seconds(fn, *args, repeats: int = 10, traced_repeats: int = 3) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Heads:
+    """The attention's heads: query heads, KV heads, and their size."""
+
+    num_q: int
+    num_kv: int
+    dim: int
+
+    @property
+    def sm_scale(self) -> float:
+        return self.dim**-0.5
+
+
+# Llama-3-8B's, and the kernel tests' small heads (a toy run through the Mosaic GPU interpreter on a CPU).
+HEADS = {"llama3-8b": Heads(32, 8, 128), "small": Heads(4, 2, 64)}
+LLAMA3_8B = HEADS["llama3-8b"]
+
+
+def seconds(fn, *args, repeats: int = 10, traced_repeats: int = 3, inner: int = 10) -> dict:
     """Per call of ``fn(*args)``: wall seconds, the median over ``repeats`` runs of one program of
     ``inner`` calls; then, from CUPTI over ``traced_repeats`` further runs, the device seconds of
     all its kernels and of the longest-running one (the kernel under test).
@@ -57,9 +89,8 @@ def seconds(fn, *args, repeats: int = 10, traced_repeats: int = 3) -> dict:
     a host round trip to every call and swamp a microsecond-scale kernel. Wall time still
     counts any gap while the host launches the next kernel; device time does not. Both
     include the harness's own small kernels (the dependency add and the output sums).
-    Without CUPTI (or with nothing recorded) only the wall time is returned.
+    Off a GPU (or with nothing recorded) only the wall time is returned.
     """
-    inner = 10
 
     @jax.jit
     def looped(first, *rest):
@@ -78,6 +109,9 @@ def seconds(fn, *args, repeats: int = 10, traced_repeats: int = 3) -> dict:
         times.append(time.perf_counter() - start)
     result = {"s": statistics.median(times) / inner}
 
+    if not has_cupti():
+        return result
+
     def traced_runs():
         for _ in range(traced_repeats):
             looped(*args).block_until_ready()
@@ -87,18 +121,17 @@ def seconds(fn, *args, repeats: int = 10, traced_repeats: int = 3) -> dict:
     except Exception as exc:  # CUPTI unavailable: keep the wall time
         result["device_error"] = repr(exc)[:300]
         return result
-    kernel_ms: dict[str, float] = {}
-    for name, ms in timings:
-        kernel_ms[name] = kernel_ms.get(name, 0.0) + ms
+    kernel_ms = ms_by_kernel(timings)
     if kernel_ms:
         calls = traced_repeats * inner
-        top = max(kernel_ms, key=kernel_ms.get)
-        result.update(device_s=sum(kernel_ms.values()) / 1e3 / calls, top_kernel=top[:80],
-                      kernel_s=kernel_ms[top] / 1e3 / calls)
+        top = max(kernel_ms, key=lambda name: kernel_ms[name])
+        result.update(
+            device_s=sum(kernel_ms.values()) / 1e3 / calls, top_kernel=top[:80], kernel_s=kernel_ms[top] / 1e3 / calls
+        )
     return result
 
 
-def make_case(q_lens: list[int], seq_lens: list[int], block_size: int = BLOCK_SIZE, seed: int = 0):
+def make_case(q_lens: list[int], seq_lens: list[int], heads: Heads, block_size: int = BLOCK_SIZE, seed: int = 0):
     """q, paged caches of ``block_size``-token pages with shuffled block tables, and metadata for these requests."""
     rng = np.random.default_rng(seed)
     blocks = [-(-s // block_size) for s in seq_lens]
@@ -115,10 +148,10 @@ def make_case(q_lens: list[int], seq_lens: list[int], block_size: int = BLOCK_SI
         jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(table), jnp.zeros(num_tokens, jnp.int32)
     )
     key = jax.random.key(seed)
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block_size, heads.num_kv, heads.dim)
     k_cache = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.bfloat16)
     v_cache = jax.random.normal(jax.random.fold_in(key, 2), shape, jnp.bfloat16)
-    q = jax.random.normal(jax.random.fold_in(key, 3), (num_tokens, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16)
+    q = jax.random.normal(jax.random.fold_in(key, 3), (num_tokens, heads.num_q, heads.dim), jnp.bfloat16)
     return q, k_cache, v_cache, metadata
 
 
@@ -128,27 +161,38 @@ def max_rel_error(got, expected) -> float:
     return float(jnp.max(jnp.abs(got - expected)) / jnp.max(jnp.abs(expected)))
 
 
-def kv_bytes(seq_lens: list[int]) -> int:
-    return 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2
+def kv_bytes(seq_lens: list[int], heads: Heads) -> int:
+    return 2 * sum(seq_lens) * heads.num_kv * heads.dim * 2
 
 
-def causal_flops(q_lens: list[int], seq_lens: list[int]) -> float:
+def causal_flops(q_lens: list[int], seq_lens: list[int], heads: Heads) -> float:
     """QK and PV FLOPs over the visible (query, key) pairs."""
     pairs = sum(q * (s - q) + q * (q + 1) / 2 for q, s in zip(q_lens, seq_lens))
-    return 4 * NUM_Q_HEADS * HEAD_DIM * pairs
+    return 4 * heads.num_q * heads.dim * pairs
 
 
-def kernel_only(q, k_cache, v_cache, metadata):
+def kernel_only(q, k_cache, v_cache, metadata, heads: Heads):
     """Our kernel without the wrapper's XLA ops (schedule, query gather, output gather, combine),
     to show how the time splits between them."""
     config = config_for(q, k_cache, metadata)
     prepare = jax.jit(prepare_tiles, static_argnums=(1, 3), static_argnames="sliding_window")
-    schedule, q_tiles = prepare(q, NUM_KV_HEADS, metadata, config, sliding_window=None)
+    schedule, q_tiles = prepare(q, heads.num_kv, metadata, config, sliding_window=None)
 
     def fn(q_tiles, fields, block_tables, k_cache, v_cache, **kwargs):
-        return launch_kernel(fields, block_tables, q_tiles, k_cache, v_cache, config=config,
-                             group=NUM_Q_HEADS // NUM_KV_HEADS, sm_scale=SM_SCALE, sliding_window=None,
-                             soft_cap=None, **kwargs)
+        return launch_kernel(
+            fields,
+            block_tables,
+            q_tiles,
+            k_cache,
+            v_cache,
+            config=config,
+            group=heads.num_q // heads.num_kv,
+            sm_scale=heads.sm_scale,
+            sliding_window=None,
+            soft_cap=None,
+            interpret=mosaic_gpu_interpreter_off_gpu(),
+            **kwargs,
+        )
 
     return fn, (q_tiles, schedule.fields, metadata.block_tables, k_cache, v_cache)
 
@@ -161,21 +205,28 @@ def decode_baseline(q, k_cache, v_cache, metadata):
     v_pages = jnp.transpose(v_cache, (2, 0, 1, 3))
     pages = metadata.block_tables.shape[1]
     splits = max(d for d in (1, 2, 4, 8, 16) if pages % d == 0)
-    fn = functools.partial(paged_attention.paged_attention, pages_per_compute_block=min(8, pages // splits),
-                           k_splits=splits)
-    return (lambda q, kp, vp, bt, ln: fn(q, kp, vp, bt, ln)), (q, k_pages, v_pages, metadata.block_tables,
-                                                               metadata.seq_lens)
+    fn = functools.partial(
+        paged_attention.paged_attention, pages_per_compute_block=min(8, pages // splits), k_splits=splits
+    )
+    return (lambda q, kp, vp, bt, ln: fn(q, kp, vp, bt, ln)), (
+        q,
+        k_pages,
+        v_pages,
+        metadata.block_tables,
+        metadata.seq_lens,
+    )
 
 
 def prefill_baseline(q, k_cache, v_cache, metadata, q_lens):
+    num_q_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     """The shipped dense FlashAttention-3 (Mosaic GPU), causal, on contiguous [batch, seq, heads, dim]."""
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
     batch, seq = len(q_lens), q_lens[0]
     blocks = metadata.block_tables
-    k = k_cache[blocks].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :seq]
-    v = v_cache[blocks].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :seq]
-    qb = q.reshape(batch, seq, NUM_Q_HEADS, HEAD_DIM)
+    k = k_cache[blocks].reshape(batch, -1, num_kv_heads, head_dim)[:, :seq]
+    v = v_cache[blocks].reshape(batch, -1, num_kv_heads, head_dim)[:, :seq]
+    qb = q.reshape(batch, seq, num_q_heads, head_dim)
     qb, k, v = (x.astype(jnp.float16) for x in (qb, k, v))  # its shared memory is float16
     config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
     return (lambda q, k, v: attention_mgpu.attention(q, k, v, config)), (qb, k, v)
@@ -183,10 +234,11 @@ def prefill_baseline(q, k_cache, v_cache, metadata, q_lens):
 
 BASELINE_NAMES = {"decode": "pallas_paged_attention", "prefill": "pallas_attention_mgpu"}
 
-CASES = (
-    [("decode", b, c) for b in (1, 16, 64, 256) for c in (1024, 4096, 32768)]
-    + [("prefill", 1, 8192), ("prefill", 8, 2048), ("mixed", 64, 4096)]
-)
+CASES = [("decode", b, c) for b in (1, 16, 64, 256) for c in (1024, 4096, 32768)] + [
+    ("prefill", 1, 8192),
+    ("prefill", 8, 2048),
+    ("mixed", 64, 4096),
+]
 
 
 def lengths(kind: str, batch: int, context: int) -> tuple[list[int], list[int]]:
@@ -199,7 +251,9 @@ def lengths(kind: str, batch: int, context: int) -> tuple[list[int], list[int]]:
 
 
 def baseline(kind, q, k_cache, v_cache, metadata, q_lens):
-    """The shipped kernel that applies to this case, as (fn, args), or None."""
+    """The shipped kernel that applies to this case, as (fn, args), or None (always off a GPU: they are GPU kernels)."""
+    if jax.default_backend() != "gpu":
+        return None
     if kind == "decode":
         return decode_baseline(q, k_cache, v_cache, metadata)
     if kind == "prefill":
@@ -207,19 +261,47 @@ def baseline(kind, q, k_cache, v_cache, metadata, q_lens):
     return None
 
 
-def run_case(kind, batch, context, floors, block_size: int = BLOCK_SIZE) -> dict:
+# What run_case times: our kernel (checked against the reference), the kernel without the wrapper's XLA ops,
+# the pure-JAX reference, and the shipped Pallas kernel that applies (on a GPU).
+IMPLEMENTATIONS = ("ours", "ours_kernel_only", "reference", "baseline")
+
+
+def run_case(
+    kind,
+    batch,
+    context,
+    floors,
+    heads: Heads = LLAMA3_8B,
+    block_size: int = BLOCK_SIZE,
+    repeats: int = 10,
+    implementations=IMPLEMENTATIONS,
+) -> dict:
     q_lens, seq_lens = lengths(kind, batch, context)
-    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, block_size)
-    ours = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=SM_SCALE))
-    ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=SM_SCALE))
-    row = {"kind": kind, "batch": batch, "context": context, "kv_bytes": kv_bytes(seq_lens),
-           "flops": causal_flops(q_lens, seq_lens)}
+    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, heads, block_size)
+    ours = jax.jit(
+        functools.partial(
+            ragged_paged_attention_mgpu, sm_scale=heads.sm_scale, interpret=mosaic_gpu_interpreter_off_gpu()
+        )
+    )
+    ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=heads.sm_scale))
+    row = {
+        "kind": kind,
+        "batch": batch,
+        "context": context,
+        "kv_bytes": kv_bytes(seq_lens, heads),
+        "flops": causal_flops(q_lens, seq_lens, heads),
+    }
     started = time.perf_counter()
-    row["max_rel_error"] = max_rel_error(ours(q, k_cache, v_cache, metadata), ref(q, k_cache, v_cache, metadata))
-    timed = {"ours": (ours, (q, k_cache, v_cache, metadata)), "reference": (ref, (q, k_cache, v_cache, metadata)),
-             "ours_kernel_only": kernel_only(q, k_cache, v_cache, metadata)}
+    timed = {}
+    if "ours" in implementations:
+        row["max_rel_error"] = max_rel_error(ours(q, k_cache, v_cache, metadata), ref(q, k_cache, v_cache, metadata))
+        timed["ours"] = (ours, (q, k_cache, v_cache, metadata))
+    if "reference" in implementations:
+        timed["reference"] = (ref, (q, k_cache, v_cache, metadata))
+    if "ours_kernel_only" in implementations:
+        timed["ours_kernel_only"] = kernel_only(q, k_cache, v_cache, metadata, heads)
     try:
-        if (shipped := baseline(kind, q, k_cache, v_cache, metadata, q_lens)) is not None:
+        if "baseline" in implementations and (shipped := baseline(kind, q, k_cache, v_cache, metadata, q_lens)):
             timed[BASELINE_NAMES[kind]] = shipped
     except Exception as exc:
         row["baseline_error"] = repr(exc)
@@ -227,7 +309,7 @@ def run_case(kind, batch, context, floors, block_size: int = BLOCK_SIZE) -> dict
     for name, (fn, args) in timed.items():
         started = time.perf_counter()
         try:
-            timing = seconds(fn, *args)
+            timing = seconds(fn, *args, repeats=repeats)
         except Exception as exc:
             row[f"{name}_error"] = "".join(traceback.format_exception_only(exc))[-2000:]
             continue
@@ -249,7 +331,7 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
     accumulation, and with two compute warpgroups ping-pong and longest first), ring sizes, and
     (decode) split counts."""
     registers = (232 if base.num_compute_wgs == 2 else 216) if base.compute_registers is None else None
-    flip = lambda **fields: dataclasses.replace(base, **fields)  # noqa: E731
+    flip = lambda **fields: dataclasses.replace(base, **fields)
     options = {
         "table": base,
         "registers_flipped": flip(compute_registers=registers),
@@ -257,11 +339,17 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
         "stages-1": flip(num_stages=max(base.num_stages - 1, 2)),
         "stages+1": flip(num_stages=base.num_stages + 1),
         "pages*2": flip(pages_per_stage=base.pages_per_stage * 2, num_stages=2),
-        **({"pingpong_flipped": flip(pingpong=not base.pingpong),
-            "longest_first_flipped": flip(longest_first=not base.longest_first),
-            "pingpong_and_longest_first_flipped": flip(pingpong=not base.pingpong,
-                                                       longest_first=not base.longest_first)}
-           if base.num_compute_wgs == 2 else {}),
+        **(
+            {
+                "pingpong_flipped": flip(pingpong=not base.pingpong),
+                "longest_first_flipped": flip(longest_first=not base.longest_first),
+                "pingpong_and_longest_first_flipped": flip(
+                    pingpong=not base.pingpong, longest_first=not base.longest_first
+                ),
+            }
+            if base.num_compute_wgs == 2
+            else {}
+        ),
         # Decode: every split count from one program per tile to 16, to see where wave quantization bites.
         **{f"splits={n}": flip(num_kv_splits=n) for n in (1, 2, 3, 4, 6, 8, 16) if base.num_compute_wgs == 1},
     }
@@ -271,19 +359,26 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
     return {name: config for config, name in unique.items()}
 
 
-def sweep_case(kind, batch, context, block_size: int = BLOCK_SIZE) -> dict:
+def sweep_case(kind, batch, context, heads: Heads = LLAMA3_8B, block_size: int = BLOCK_SIZE) -> dict:
     """Time and check every candidate config of one case, and the shipped baseline in the same run;
     the fastest correct config wins."""
     q_lens, seq_lens = lengths(kind, batch, context)
-    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, block_size)
-    ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=SM_SCALE))
+    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, heads, block_size)
+    ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=heads.sm_scale))
     expected = ref(q, k_cache, v_cache, metadata)
     base = config_for(q, k_cache, metadata)
     row = {"kind": kind, "batch": batch, "context": context, "configs": {}}
     for name, config in candidate_configs(base).items():
         entry = {"config": dataclasses.asdict(config)}
         try:
-            fn = jax.jit(functools.partial(ragged_paged_attention_mgpu, sm_scale=SM_SCALE, config=config))
+            fn = jax.jit(
+                functools.partial(
+                    ragged_paged_attention_mgpu,
+                    sm_scale=heads.sm_scale,
+                    config=config,
+                    interpret=mosaic_gpu_interpreter_off_gpu(),
+                )
+            )
             entry["max_rel_error"] = max_rel_error(fn(q, k_cache, v_cache, metadata), expected)
             entry.update(seconds(fn, q, k_cache, v_cache, metadata))
         except Exception as exc:
@@ -313,17 +408,18 @@ def kv_write_rows(token_counts=(1, 64, 256, 8192), num_blocks: int = 16384, repe
         rng = np.random.default_rng(tokens)
         slots = jnp.asarray(rng.permutation(num_blocks * BLOCK_SIZE)[:tokens], jnp.int32)
         key = jax.random.key(tokens)
-        k_new = jax.random.normal(key, (tokens, NUM_KV_HEADS, HEAD_DIM), jnp.bfloat16)
+        k_new = jax.random.normal(key, (tokens, LLAMA3_8B.num_kv, LLAMA3_8B.dim), jnp.bfloat16)
         v_new = jax.random.normal(jax.random.fold_in(key, 1), k_new.shape, jnp.bfloat16)
         row = {"tokens": tokens, "bytes_written": 2 * k_new.size * 2}
         for impl in ("reference", "mosaic_gpu"):
+
             @functools.partial(jax.jit, donate_argnums=(0, 1))
-            def ten_writes(k_cache, v_cache, k_new, v_new, impl=impl):
+            def ten_writes(k_cache, v_cache, k_new, v_new, impl=impl, slots=slots):
                 for i in range(10):  # distinct values per write, so no write is redundant
                     k_cache, v_cache = write_kv(k_cache, v_cache, k_new + i, v_new, slots, impl=impl)
                 return k_cache, v_cache
 
-            shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+            shape = (num_blocks, BLOCK_SIZE, LLAMA3_8B.num_kv, LLAMA3_8B.dim)
             caches = (jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
             try:
                 caches = jax.block_until_ready(ten_writes(*caches, k_new, v_new))
@@ -341,49 +437,81 @@ def kv_write_rows(token_counts=(1, 64, 256, 8192), num_blocks: int = 16384, repe
     return rows
 
 
-SWEEP_CASES = [("decode", 1, 1024), ("decode", 16, 1024), ("decode", 1, 4096), ("decode", 64, 4096),
-               ("prefill", 1, 8192), ("prefill", 8, 2048)]
+SWEEP_CASES = [
+    ("decode", 1, 1024),
+    ("decode", 16, 1024),
+    ("decode", 1, 4096),
+    ("decode", 64, 4096),
+    ("prefill", 1, 8192),
+    ("prefill", 8, 2048),
+]
+
+
+def parse_case(text: str) -> tuple[str, int, int]:
+    """``"decode:64:4096"`` -> ("decode", 64, 4096)."""
+    kind, batch, context = text.split(":")
+    if kind not in ("decode", "prefill", "mixed"):
+        raise argparse.ArgumentTypeError(f"a case is decode|prefill|mixed:BATCH:CONTEXT; got {text!r}")
+    return kind, int(batch), int(context)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="attention_step.json")
-    parser.add_argument("--only", nargs="*", help="case names kind:batch:context to run (default: all)")
+    parser.add_argument(
+        "--only",
+        type=parse_case,
+        nargs="*",
+        help="cases kind:batch:context to run (default: CASES, or SWEEP_CASES with --sweep)",
+    )
     parser.add_argument("--sweep", action="store_true", help="time the tuning table's neighbours instead")
     parser.add_argument("--kv-write", action="store_true", help="time the KV cache write's two implementations instead")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens a KV page holds")
+    parser.add_argument(
+        "--heads",
+        choices=sorted(HEADS),
+        default="llama3-8b",
+        help="the attention's heads (small: the kernel tests', for a toy run on a CPU)",
+    )
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs of each implementation")
+    parser.add_argument(
+        "--implementations",
+        nargs="+",
+        choices=IMPLEMENTATIONS,
+        default=list(IMPLEMENTATIONS),
+        help="what to time (off a GPU our kernel is interpreted: half a minute a call)",
+    )
+    parser.add_argument("--floor-elements", type=int, default=1 << 30, help="bf16 elements of the copy test (2 GiB)")
     args = parser.parse_args()
+    heads = HEADS[args.heads]
+    facts = device_facts()
     if args.kv_write:
-        with open(args.out, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "kv_write": kv_write_rows()}, f, indent=1)
+        write_json(args.out, {**facts, "kv_write": kv_write_rows()})
         return
     if args.sweep:
         rows = []
-        for case in SWEEP_CASES:  # written after each case, so a cut-short run keeps what it measured
-            if args.only and ":".join(map(str, case)) not in args.only:
-                continue
-            rows.append(sweep_case(*case, args.block_size))
-            with open(args.out, "w") as f:
-                json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "block_size": args.block_size,
-                           "sweep": rows}, f, indent=1)
+        for case in args.only or SWEEP_CASES:  # written after each case, so a cut-short run keeps what it measured
+            rows.append(sweep_case(*case, heads, args.block_size))
+            write_json(args.out, {**facts, "heads": args.heads, "block_size": args.block_size, "sweep": rows})
         return
-    floors = measure_floors(1 << 30)
+    floors = measure_floors(args.floor_elements)
     print(json.dumps(floors), flush=True)
     rows = []
-    for kind, batch, context in CASES:
-        if args.only and f"{kind}:{batch}:{context}" not in args.only:
-            continue
+    for kind, batch, context in args.only or CASES:
         try:
-            row = run_case(kind, batch, context, floors, args.block_size)
+            row = run_case(kind, batch, context, floors, heads, args.block_size, args.repeats, args.implementations)
         except Exception as exc:
-            row = {"kind": kind, "batch": batch, "context": context,
-                   "error": "".join(traceback.format_exception(exc))[-4000:]}
+            row = {
+                "kind": kind,
+                "batch": batch,
+                "context": context,
+                "error": "".join(traceback.format_exception(exc))[-4000:],
+            }
         rows.append(row)
         print(json.dumps(row), flush=True)
-        with open(args.out, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "block_size": args.block_size,
-                       "floors": floors, "cases": rows}, f,
-                      indent=1)
+        write_json(
+            args.out, {**facts, "heads": args.heads, "block_size": args.block_size, "floors": floors, "cases": rows}
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A device's timeline from a ``jax.profiler`` trace: busy time, idle gaps, and what borders each gap.
 
-CUPTI's kernel record (``decode_step.py --profile``) says how long the kernels
+CUPTI's kernel record (``benchmarks.decode_step --profile``) says how long the kernels
 ran, not what the device waited for between them. The profiler's trace holds
 every kernel, copy and memset on every stream of the device, so the time with
 nothing running can be split into its gaps: many short ones (the cost of one
@@ -38,8 +38,12 @@ def device_events(profile, plane_prefix: str = "/device:GPU:0", line_prefix: str
     if plane is None:
         return []
     return sorted(
-        (Event(e.name, line.name, e.start_ns, e.start_ns + e.duration_ns)
-         for line in plane.lines if line.name.startswith(line_prefix) for e in line.events),
+        (
+            Event(e.name, line.name, e.start_ns, e.start_ns + e.duration_ns)
+            for line in plane.lines
+            if line.name.startswith(line_prefix)
+            for e in line.events
+        ),
         key=lambda e: e.start_ns,
     )
 
@@ -69,11 +73,17 @@ def host_during(start_ns: float, end_ns: float, host: list[Event], top: int = 8)
     among equal overlaps, as "thread: name (overlap us; the event's whole duration and its start relative
     to the window's)": an event that began long before the window was waiting, one that began with it was
     working."""
-    overlap = [(min(e.end_ns, end_ns) - max(e.start_ns, start_ns), e) for e in host
-               if e.start_ns < end_ns and e.end_ns > start_ns]
+    overlap = [
+        (min(e.end_ns, end_ns) - max(e.start_ns, start_ns), e)
+        for e in host
+        if e.start_ns < end_ns and e.end_ns > start_ns
+    ]
     overlap.sort(key=lambda x: (-round(x[0] / 1e3), x[1].end_ns - x[1].start_ns))
-    return [f"{e.line}: {e.name[:60]} ({ns / 1e3:.0f} us; {(e.end_ns - e.start_ns) / 1e3:.0f} us from "
-            f"{round((e.start_ns - start_ns) / 1e3):+d} us)" for ns, e in overlap[:top]]
+    return [
+        f"{e.line}: {e.name[:60]} ({ns / 1e3:.0f} us; {(e.end_ns - e.start_ns) / 1e3:.0f} us from "
+        f"{round((e.start_ns - start_ns) / 1e3):+d} us)"
+        for ns, e in overlap[:top]
+    ]
 
 
 def kind_of(name: str) -> str:
@@ -106,18 +116,22 @@ def summarize(events: list[Event], num_steps: int, top: int = 10, host: list[Eve
     classes = {}
     for low, high in zip([0.0, *GAP_BINS_US], bounds):
         inside = [g for g, *_ in gaps if low * 1e3 <= g < high * 1e3]
-        classes[f"{low:g}-{high:g} us"] = {"per_step": len(inside) / num_steps,
-                                           "ms_per_step": sum(inside) / 1e6 / num_steps}
+        classes[f"{low:g}-{high:g} us"] = {
+            "per_step": len(inside) / num_steps,
+            "ms_per_step": sum(inside) / 1e6 / num_steps,
+        }
     return {
         "span_ms_per_step": span_ns / 1e6 / num_steps,
         "busy_ms_per_step": busy_ns / 1e6 / num_steps,
         "idle_ms_per_step": (span_ns - busy_ns) / 1e6 / num_steps,
-        "kinds": {k: {"per_step": len(d) / num_steps, "ms_per_step": sum(d) / 1e6 / num_steps}
-                  for k, d in per_kind.items()},
+        "kinds": {
+            k: {"per_step": len(d) / num_steps, "ms_per_step": sum(d) / 1e6 / num_steps} for k, d in per_kind.items()
+        },
         "gaps": classes,
-        "longest_gaps": [{"us": g / 1e3, "after": a[:80], "before": b[:80],
-                          "host": host_during(start, start + g, list(host))}
-                         for g, a, b, start in sorted(gaps, reverse=True)[:top]],
+        "longest_gaps": [
+            {"us": g / 1e3, "after": a[:80], "before": b[:80], "host": host_during(start, start + g, list(host))}
+            for g, a, b, start in sorted(gaps, reverse=True)[:top]
+        ],
     }
 
 
@@ -126,10 +140,14 @@ def print_summary(label: str, summary: dict) -> None:
         print(f"{label}: {summary['error']}")
         return
     kinds = ", ".join(f"{k} {v['per_step']:.0f} x {v['ms_per_step']:.2f} ms" for k, v in summary["kinds"].items())
-    print(f"{label}: span {summary['span_ms_per_step']:.2f} ms a step, busy {summary['busy_ms_per_step']:.2f}, "
-          f"idle {summary['idle_ms_per_step']:.2f}; {kinds}")
-    print("  idle gaps a step: " + ", ".join(f"{name} {c['per_step']:.0f} = {c['ms_per_step']:.2f} ms"
-                                           for name, c in summary["gaps"].items()))
+    print(
+        f"{label}: span {summary['span_ms_per_step']:.2f} ms a step, busy {summary['busy_ms_per_step']:.2f}, "
+        f"idle {summary['idle_ms_per_step']:.2f}; {kinds}"
+    )
+    print(
+        "  idle gaps a step: "
+        + ", ".join(f"{name} {c['per_step']:.0f} = {c['ms_per_step']:.2f} ms" for name, c in summary["gaps"].items())
+    )
     for gap in summary["longest_gaps"]:
         print(f"  {gap['us']:8.1f} us after {gap['after']!r} before {gap['before']!r}")
         for event in gap["host"]:

@@ -6,8 +6,8 @@ device's memory), and a failing or hung subprocess (``--timeout`` each) is
 recorded in the JSON while the rest still run:
 
   a  floors: copy bandwidth (JAX's and torch's copy; the faster is the floor) and
-     the bf16 matmul rate (``decode_step.measure_floors``)
-  b  decode step (``decode_step.py``, pipelined as the engine runs it) at each
+     the bf16 matmul rate (``benchmarks.harness.measure_floors``)
+  b  decode step (``benchmarks.decode_step``, pipelined as the engine runs it) at each
      batch x context over its floor, (weights + KV bytes) / copy bandwidth
   c  prefill throughput (``jaxrunner bench``, output length 1) as a fraction of
      the matmul floor: the prompts' matmul and causal-attention FLOPs / time
@@ -15,27 +15,30 @@ recorded in the JSON while the rest still run:
      of a step's wall time spent in the engine's host work and inside the calls
      of the compiled programs
   e  the same model and workloads through HuggingFace transformers on PyTorch
-     (``hf_peer.py``), as our / peer ratios
+     (``benchmarks.hf_peer``), as our / peer ratios
   f  start-up to the first token (``LLM(...)`` and a one-token ``generate``) with
-     an empty compilation cache (cold), then with the cache it filled (warm)
+     an empty compilation cache (cold), then with the cache it filled (warm); the
+     seconds of each start-up phase from the engine's spans (``load_model``,
+     ``profile_run``, ``initialize_kv_cache``, ``capture_model``)
 
 Every figure in the table is a ratio to a floor or to the peer measured in the
-same run (without part a, parts b and c use the floors that decode_step.py
+same run (without part a, parts b and c use the floors that decode_step
 measured). Parts run in the order given; each subprocess gets at most
 ``--timeout`` seconds and what is left of ``--budget``, so a call ends in time
 and keeps what it measured. Writes ``e2e.json`` (rewritten after each part),
 ``e2e.log`` (every subprocess's output) and ``decode_vs_floor.png`` into
 ``--out-dir``, and prints the table last.
 
-On the H200, with the project installed (``pip install --no-deps -e .``), in two
-calls of about 9 minutes each (a ratio needs its two sides in one call):
+On the H200, with the project installed (``pip install --no-deps -e .``), from
+the repository root, in two calls of about 9 minutes each (a ratio needs its
+two sides in one call):
 
-    python3 benchmarks/e2e.py --parts a b c d e --workloads 1000x128/128 64x1000/256 --peer-max-batches 3 \
+    python -m benchmarks.e2e --parts a b c d e --workloads 1000x128/128 64x1000/256 --peer-max-batches 3 \
         --peer-decode 1x1024 --budget 560 --out-dir $OUT
-    python3 benchmarks/e2e.py --parts d e f --workloads 256x1000/1000 --peer-decode --budget 570 --out-dir $OUT
+    python -m benchmarks.e2e --parts d e f --workloads 256x1000/1000 --peer-decode --budget 570 --out-dir $OUT
 
-Estimated seconds, from RESULTS.md's load and compile times and a trial of
-hf_peer.py on the H200. Call 1, about 535: a 20; b 140 (two decode_step.py
+Estimated seconds, from the history's load and compile times and a trial of
+hf_peer on the H200. Call 1, about 535: a 20; b 140 (two decode_step
 runs, each 22 s of random init and 15-40 s of compiling; 6 and 1 cases); c 105
 (the call's first bench: ~95 s of start-up with cold compiles, then 256k prompt
 tokens); d 100 (two benches, compiles cached by c; 64 x 1000/256 gives the host
@@ -47,9 +50,9 @@ of ~85 ms); e 215 (15 s to start, ~35 s to compile, 1000 steps of 0.159 s); f
 2026-12-04: a 15, b 166 (131 + 35), d 105 for 256 x 1000/1000 (steps of ~30 ms
 by then), e 223, f 145 (cold 119, warm 26); parts a b d e in one call took 531 s.
 
-On a CPU, every part at toy sizes in a few minutes (the check of this script):
+On a CPU, every part at toy sizes in a few minutes (the test suite runs some of them):
 
-    python3 benchmarks/e2e.py --model tiny-llama --out-dir /tmp/e2e
+    python -m benchmarks.e2e --model tiny-llama --out-dir /tmp/e2e
 """
 
 from __future__ import annotations
@@ -66,8 +69,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-HERE = Path(__file__).resolve().parent
+if TYPE_CHECKING:  # the harness imports JAX, which the start-up worker times: imported where needed
+    from jaxrunner.models import TransformerConfig
+
+REPO = Path(__file__).resolve().parent.parent  # subprocesses run from here: `python -m benchmarks.X` finds this package
 PARTS = "abcdef"
 MIN_SUBPROCESS_S = 30  # a subprocess that would get less than this of the budget is not started
 
@@ -76,7 +83,7 @@ MIN_SUBPROCESS_S = 30  # a subprocess that would get less than this of the budge
 class Preset:
     """What one model is measured at: the engine settings and the sizes of each part."""
 
-    shape: str  # decode_step.py's and hf_peer.py's name for the model's shape
+    shape: str  # the model's shape in benchmarks.harness.SHAPES
     engine: dict  # LLM keyword arguments, also given to `jaxrunner bench` as flags
     decode: list[tuple[int, int]]  # batch x context
     peer_decode: list[tuple[int, int]]
@@ -88,11 +95,15 @@ class Preset:
 
 
 PRESETS = {
-    # RESULTS.md's bench settings. 256 x 4096 is left out: its KV cache alone (137 GB) does not fit.
+    # The bench settings of the recorded runs. 256 x 4096 is left out: its KV cache alone (137 GB) does not fit.
     "random-llama3-8b": Preset(
         shape="llama3-8b",
-        engine=dict(max_model_len=2048, max_num_seqs=256, token_buckets=[256, 1024, 2048, 4096, 8192],
-                    request_buckets=[16, 64, 256]),
+        engine=dict(
+            max_model_len=2048,
+            max_num_seqs=256,
+            token_buckets=[256, 1024, 2048, 4096, 8192],
+            request_buckets=[16, 64, 256],
+        ),
         decode=[(1, 1024), (1, 4096), (16, 1024), (16, 4096), (64, 1024), (64, 4096), (256, 1024)],
         peer_decode=[(1, 1024), (64, 4096)],
         workloads=[(256, 1000, 1000), (1000, 128, 128)],
@@ -100,17 +111,18 @@ PRESETS = {
         floor_elements=1 << 30,
         decode_steps=30,
     ),
-    # Toy sizes that run every part on a CPU in minutes: to check this script.
+    # Toy sizes, few programs to compile, that run every part on a CPU in minutes: to check this script.
     "tiny-llama": Preset(
         shape="tiny",
-        engine=dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256, token_buckets=[16, 64, 256],
-                    request_buckets=[4, 16]),
-        decode=[(1, 64), (1, 128), (4, 64), (4, 128), (16, 64)],
-        peer_decode=[(1, 64), (4, 64)],
-        workloads=[(16, 64, 64), (40, 32, 32)],
-        prefill=(16, 64),
-        floor_elements=1 << 20,
-        decode_steps=8,
+        engine=dict(
+            max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, token_buckets=[64], request_buckets=[4]
+        ),
+        decode=[(1, 64), (4, 64)],
+        peer_decode=[(1, 64)],
+        workloads=[(8, 32, 16)],
+        prefill=(4, 32),
+        floor_elements=1 << 16,
+        decode_steps=4,
     ),
 }
 
@@ -143,7 +155,9 @@ class Harness:
             log.flush()
             offset = log.tell()
             env = dict(os.environ, PYTHONUNBUFFERED="1")
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+            )
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -165,7 +179,7 @@ class Harness:
     def run_json(self, label: str, command: Callable[[Path], list[str]]) -> dict:
         """Run the command that ``command(path)`` builds and read the JSON it writes to ``path``.
 
-        A failed command's error is added to whatever JSON it wrote before failing (hf_peer.py
+        A failed command's error is added to whatever JSON it wrote before failing (hf_peer
         writes after each measurement), so that a run cut short keeps what it measured.
         """
         path = self.scratch / f"{label}.json"
@@ -177,8 +191,21 @@ class Harness:
 
     def worker(self, label: str, name: str, *extra: str) -> dict:
         """This script's own ``worker`` mode, for measurements that have no entry point of their own."""
-        return self.run_json(label, lambda out: [sys.executable, __file__, "worker", name, "--model", self.model,
-                                                 "--out", str(out), *extra])
+        return self.run_json(
+            label,
+            lambda out: [
+                sys.executable,
+                "-m",
+                "benchmarks.e2e",
+                "worker",
+                name,
+                "--model",
+                self.model,
+                "--out",
+                str(out),
+                *extra,
+            ],
+        )
 
 
 def engine_flags(engine: dict) -> list[str]:
@@ -191,10 +218,28 @@ def engine_flags(engine: dict) -> list[str]:
 
 def bench(h: Harness, label: str, requests: int, input_len: int, output_len: int) -> dict:
     """One `jaxrunner bench` run: its JSON."""
-    return h.run_json(label, lambda out: [
-        sys.executable, "-P", "-m", "jaxrunner", "bench", "--model", h.model, "--quiet", *engine_flags(h.preset.engine),
-        "--num-prompts", str(requests), "--input-len", str(input_len), "--output-len", str(output_len),
-        "--output-json", str(out)])
+    return h.run_json(
+        label,
+        lambda out: [
+            sys.executable,
+            "-P",
+            "-m",
+            "jaxrunner",
+            "bench",
+            "--model",
+            h.model,
+            "--quiet",
+            *engine_flags(h.preset.engine),
+            "--num-prompts",
+            str(requests),
+            "--input-len",
+            str(input_len),
+            "--output-len",
+            str(output_len),
+            "--output-json",
+            str(out),
+        ],
+    )
 
 
 # ------------------------------------------------------------------------ parts
@@ -205,9 +250,9 @@ def part_floors(h: Harness) -> dict:
 
 
 def decode_grids(cases: list[tuple[int, int]]) -> list[tuple[list[int], list[int]]]:
-    """The cases as the fewest batch x context grids of the same shape as decode_step.py takes.
+    """The cases as the fewest batch x context grids of the same shape as decode_step takes.
 
-    Batches that share the same contexts share a grid: decode_step.py sizes its KV cache
+    Batches that share the same contexts share a grid: decode_step sizes its KV cache
     for its largest batch at its longest context, so one grid of every case would not fit.
     """
     contexts: dict[int, set[int]] = {}
@@ -223,11 +268,28 @@ def part_decode(h: Harness) -> dict:
     runs = []
     for batches, contexts in decode_grids(h.preset.decode):
         label = f"b_decode_{'-'.join(map(str, batches))}x{'-'.join(map(str, contexts))}"
-        runs.append(h.run_json(label, lambda out: [
-            sys.executable, str(HERE / "decode_step.py"), "--shape", h.preset.shape,
-            "--batches", *map(str, batches), "--contexts", *map(str, contexts),
-            "--steps", str(h.preset.decode_steps), "--floor-elements", str(h.preset.floor_elements),
-            "--out", str(out)]))
+        runs.append(
+            h.run_json(
+                label,
+                lambda out, batches=batches, contexts=contexts: [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.decode_step",
+                    "--shape",
+                    h.preset.shape,
+                    "--batches",
+                    *map(str, batches),
+                    "--contexts",
+                    *map(str, contexts),
+                    "--steps",
+                    str(h.preset.decode_steps),
+                    "--floor-elements",
+                    str(h.preset.floor_elements),
+                    "--out",
+                    str(out),
+                ],
+            )
+        )
     return {"runs": runs}
 
 
@@ -241,17 +303,30 @@ def workload_name(requests: int, input_len: int, output_len: int) -> str:
 
 
 def part_throughput(h: Harness) -> dict:
-    return {workload_name(*w): bench(h, f"d_bench_{workload_name(*w).replace('/', '-')}", *w)
-            for w in h.preset.workloads}
+    return {
+        workload_name(*w): bench(h, f"d_bench_{workload_name(*w).replace('/', '-')}", *w) for w in h.preset.workloads
+    }
 
 
 def part_peer(h: Harness) -> dict:
     def command(out: Path) -> list[str]:
-        return [sys.executable, str(HERE / "hf_peer.py"), "--shape", h.preset.shape,
-                "--decode", *(f"{b}x{c}" for b, c in h.preset.peer_decode),
-                "--workloads", *(workload_name(*w) for w in h.preset.workloads),
-                "--concurrency", str(h.preset.engine["max_num_seqs"]),
-                "--max-batches", str(h.preset.peer_max_batches), "--out", str(out)]
+        return [
+            sys.executable,
+            "-m",
+            "benchmarks.hf_peer",
+            "--shape",
+            h.preset.shape,
+            "--decode",
+            *(f"{b}x{c}" for b, c in h.preset.peer_decode),
+            "--workloads",
+            *(workload_name(*w) for w in h.preset.workloads),
+            "--concurrency",
+            str(h.preset.engine["max_num_seqs"]),
+            "--max-batches",
+            str(h.preset.peer_max_batches),
+            "--out",
+            str(out),
+        ]
 
     return h.run_json("e_hf_peer", command)
 
@@ -260,8 +335,9 @@ def part_startup(h: Harness) -> dict:
     """Cold: an empty compilation cache folder; warm: the same folder again, as the first run left it."""
     cache_dir = tempfile.mkdtemp(prefix="e2e-xla-cache-")
     try:
-        return {start: h.worker(f"f_startup_{start}", "startup", "--cache-dir", cache_dir)
-                for start in ("cold", "warm")}
+        return {
+            start: h.worker(f"f_startup_{start}", "startup", "--cache-dir", cache_dir) for start in ("cold", "warm")
+        }
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
 
@@ -280,33 +356,15 @@ PART_FUNCTIONS: dict[str, tuple[str, Callable[[Harness], dict]]] = {
 
 
 def floors_worker(args: argparse.Namespace) -> dict:
-    """decode_step's floors (JAX's and torch's copy, the matmul), with the device they were measured on."""
-    import jax
-    from decode_step import measure_floors
+    """The harness's floors (JAX's and torch's copy, the matmul), with the device they were measured on."""
+    from benchmarks.harness import device_facts, measure_floors
 
-    device = jax.devices()[0]
-    return measure_floors(PRESETS[args.model].floor_elements) | {"device": device.device_kind, "jax": jax.__version__}
+    return measure_floors(PRESETS[args.model].floor_elements) | device_facts()
 
 
-def record_seconds(cls: type, names: list[str]) -> dict[str, float]:
-    """Wrap methods of ``cls`` to add up their seconds: LLM's constructor calls them and keeps no timings."""
-    seconds: dict[str, float] = {}
-
-    def wrap(name: str) -> None:
-        method = getattr(cls, name)
-
-        def timed(self, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                seconds[f"{name}_s"] = seconds.get(f"{name}_s", 0.0) + time.perf_counter() - start
-
-        setattr(cls, name, timed)
-
-    for name in names:
-        wrap(name)
-    return seconds
+# The runner's start-up spans: loading the weights, the profile run that sizes the KV cache (inside its
+# allocation, counted apart), allocating the cache, and compiling every bucket.
+STARTUP_SPANS = ("load_model", "profile_run", "initialize_kv_cache", "capture_model")
 
 
 def startup_worker(args: argparse.Namespace) -> dict:
@@ -314,19 +372,21 @@ def startup_worker(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     from jaxrunner import LLM, SamplingParams
     from jaxrunner.runner.buckets import CompileCounter
-    from jaxrunner.runner.model_runner import ModelRunner
 
     imported = time.perf_counter()
-    phases = record_seconds(ModelRunner, ["load_model", "initialize_kv_cache", "capture_model"])
     llm = LLM(args.model, compilation_cache_dir=args.cache_dir, **PRESETS[args.model].engine)
     built = time.perf_counter()
+    phases = {f"{name}_s": llm.llm_engine.spans.seconds.get(name, 0.0) for name in STARTUP_SPANS}
     programs_built = CompileCounter.count()
     output = llm.generate("Hello, my name is", SamplingParams(max_tokens=1), use_tqdm=False)[0]
     first_token = time.perf_counter()
-    compiling = phases.get("initialize_kv_cache_s", 0.0) + phases.get("capture_model_s", 0.0)
+    compiling = phases["profile_run_s"] + phases["initialize_kv_cache_s"] + phases["capture_model_s"]
     return {
-        "import_s": imported - start, "construct_s": built - imported, "first_generate_s": first_token - built,
-        "time_to_first_token_s": first_token - imported, **phases,
+        "import_s": imported - start,
+        "construct_s": built - imported,
+        "first_generate_s": first_token - built,
+        "time_to_first_token_s": first_token - imported,
+        **phases,
         # The rest of the constructor: weights (random init or checkpoint), tokenizer, runner set-up.
         "load_s": built - imported - compiling,
         "num_compiled_programs": llm.llm_engine.runner.num_compiled_programs,
@@ -370,7 +430,7 @@ def ok(value: dict) -> bool:
 
 
 def floors_of(results: dict) -> dict | None:
-    """Part a's floors, else those the first decode_step.py run measured (in this run too)."""
+    """Part a's floors, else those the first decode_step run measured (in this run too)."""
     candidates = [results.get("floors")] + results.get("decode", {}).get("runs", [])
     return next((c for c in candidates if c and ok(c)), None)
 
@@ -381,10 +441,15 @@ def decode_rows(results: dict, floors: dict) -> list[dict]:
     rows = []
     for run in filter(ok, results.get("decode", {}).get("runs", [])):
         for r in run["rows"]:
-            moved = r["floor_ms"] / 1e3 * run["copy_bytes_per_s"]  # the bytes decode_step.py counted
+            moved = r["floor_ms"] / 1e3 * run["copy_bytes_per_s"]  # the bytes decode_step counted
             floor_ms = moved / floors["copy_bytes_per_s"] * 1e3
-            row = {"batch": r["batch"], "context": r["context"], "step_ms": r["step_ms"], "floor_ms": floor_ms,
-                   "step_over_floor": r["step_ms"] / floor_ms}
+            row = {
+                "batch": r["batch"],
+                "context": r["context"],
+                "step_ms": r["step_ms"],
+                "floor_ms": floor_ms,
+                "step_over_floor": r["step_ms"] / floor_ms,
+            }
             if (r["batch"], r["context"]) in peer:
                 row["peer_step_ms"] = peer[r["batch"], r["context"]]
                 row["peer_over_ours"] = row["peer_step_ms"] / r["step_ms"]
@@ -392,30 +457,39 @@ def decode_rows(results: dict, floors: dict) -> list[dict]:
     return sorted(rows, key=lambda row: (row["context"], row["batch"]))
 
 
-def prefill_flops(shape: dict, input_len: int) -> float:
+def prefill_flops(shape: TransformerConfig, input_len: int) -> float:
     """FLOPs of one prompt's prefill: the layers' matmuls, causal attention, and the last token's logits."""
-    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
-    q = shape["num_attention_heads"] * shape["head_dim"]
-    kv = shape["num_key_value_heads"] * shape["head_dim"]
-    weights_per_layer = hidden * (2 * q + 2 * kv) + 3 * hidden * shape["intermediate_size"]  # q o k v, gate up down
+    hidden, layers = shape.hidden_size, shape.num_layers
+    q = shape.num_heads * shape.head_dim
+    kv = shape.num_kv_heads * shape.head_dim
+    weights_per_layer = hidden * (2 * q + 2 * kv) + 3 * hidden * shape.intermediate_size  # q o k v, gate up down
     attention = layers * 2 * q * input_len * (input_len + 1)  # QK and PV: 4 * q FLOPs per visible (query, key) pair
-    return 2 * layers * weights_per_layer * input_len + attention + 2 * hidden * shape["vocab_size"]
+    return 2 * layers * weights_per_layer * input_len + attention + 2 * hidden * shape.vocab_size
 
 
 def prefill_summary(results: dict, preset: Preset, floors: dict) -> dict:
-    from hf_peer import SHAPES
+    from benchmarks.harness import SHAPES
 
     requests, input_len = preset.prefill
     flops = requests * prefill_flops(SHAPES[preset.shape], input_len)
     rate = flops / results["prefill"]["elapsed_s"]
-    return {"requests": requests, "input_len": input_len, "elapsed_s": results["prefill"]["elapsed_s"],
-            "flops": flops, "flops_per_s": rate, "matmul_fraction": rate / floors["matmul_flops_per_s"]}
+    return {
+        "requests": requests,
+        "input_len": input_len,
+        "elapsed_s": results["prefill"]["elapsed_s"],
+        "flops": flops,
+        "flops_per_s": rate,
+        "matmul_fraction": rate / floors["matmul_flops_per_s"],
+    }
 
 
 def throughput_rows(results: dict) -> list[dict]:
     """Each workload: our and the peer's output tokens per second, and their ratio."""
-    peer = {workload_name(r["num_prompts"], r["input_len"], r["output_len"]): r
-            for r in results.get("peer", {}).get("throughput", []) if ok(r)}
+    peer = {
+        workload_name(r["num_prompts"], r["input_len"], r["output_len"]): r
+        for r in results.get("peer", {}).get("throughput", [])
+        if ok(r)
+    }
     ours_all = results.get("throughput", {})
     rows = []
     for name in dict.fromkeys([*ours_all, *peer]):
@@ -427,13 +501,19 @@ def throughput_rows(results: dict) -> list[dict]:
             # step; the host share over decode-only steps where the bench reports them (the issue's "host
             # time per decode step"). The batch is the largest one step ran.
             step_ms = ours["elapsed_s"] / ours["num_steps"] * 1e3
-            row |= {"step_ms": step_ms, "host_ms_per_step": ours["host_ms_per_step"],
-                    "host_share": ours.get("decode_host_share", ours["host_ms_per_step"] / step_ms),
-                    "call_share": ours["program_call_ms_per_step"] / step_ms,
-                    "max_batch": ours["max_num_scheduled_reqs"]}
+            row |= {
+                "step_ms": step_ms,
+                "host_ms_per_step": ours["host_ms_per_step"],
+                "host_share": ours.get("decode_host_share", ours["host_ms_per_step"] / step_ms),
+                "call_share": ours["program_call_ms_per_step"] / step_ms,
+                "max_batch": ours["max_num_scheduled_reqs"],
+            }
         if name in peer:
-            row |= {"peer_tokens_per_s": peer[name]["output_tokens_per_s"], "peer_requests_run":
-                    peer[name]["requests_run"], "peer_subset": peer[name]["subset"]}
+            row |= {
+                "peer_tokens_per_s": peer[name]["output_tokens_per_s"],
+                "peer_requests_run": peer[name]["requests_run"],
+                "peer_subset": peer[name]["subset"],
+            }
             if ok(ours):
                 row["ours_over_peer"] = ours["output_tokens_per_s"] / row["peer_tokens_per_s"]
         rows.append(row)
@@ -445,24 +525,37 @@ def targets(summary: dict) -> list[str]:
     lines = []
     decode = [r for r in summary.get("decode", []) if r["batch"] in DECODE_TARGET_BATCHES]
     if decode:
-        lines.append(f"decode step <= {DECODE_TARGET}x floor at batch 1 and 64: " + ", ".join(
-            f"{r['batch']}x{r['context']} {r['step_over_floor']:.2f}"
-            f"{'' if r['step_over_floor'] <= DECODE_TARGET else ' (missed)'}" for r in decode))
-    peer = next((r for r in summary.get("throughput", [])
-                 if r["workload"] == PEER_TARGET_WORKLOAD and "ours_over_peer" in r), None)
+        lines.append(
+            f"decode step <= {DECODE_TARGET}x floor at batch 1 and 64: "
+            + ", ".join(
+                f"{r['batch']}x{r['context']} {r['step_over_floor']:.2f}"
+                f"{'' if r['step_over_floor'] <= DECODE_TARGET else ' (missed)'}"
+                for r in decode
+            )
+        )
+    peer = next(
+        (r for r in summary.get("throughput", []) if r["workload"] == PEER_TARGET_WORKLOAD and "ours_over_peer" in r),
+        None,
+    )
     if peer:
-        lines.append(f">= {PEER_TARGET:.0f}x HF output tok/s at {PEER_TARGET_WORKLOAD}: {peer['ours_over_peer']:.2f}x"
-                     f"{'' if peer['ours_over_peer'] >= PEER_TARGET else ' (missed)'}")
+        lines.append(
+            f">= {PEER_TARGET:.0f}x HF output tok/s at {PEER_TARGET_WORKLOAD}: {peer['ours_over_peer']:.2f}x"
+            f"{'' if peer['ours_over_peer'] >= PEER_TARGET else ' (missed)'}"
+        )
     for r in summary.get("throughput", []):
         if r.get("max_batch") == HOST_SHARE_TARGET_BATCH:
-            lines.append(f"host time < {HOST_SHARE_TARGET:.0%} of the step at batch {HOST_SHARE_TARGET_BATCH} "
-                         f"({r['workload']}): {r['host_share']:.1%}"
-                         f"{'' if r['host_share'] < HOST_SHARE_TARGET else ' (missed)'}")
+            lines.append(
+                f"host time < {HOST_SHARE_TARGET:.0%} of the step at batch {HOST_SHARE_TARGET_BATCH} "
+                f"({r['workload']}): {r['host_share']:.1%}"
+                f"{'' if r['host_share'] < HOST_SHARE_TARGET else ' (missed)'}"
+            )
     warm = summary.get("startup", {}).get("warm")
     if warm:
         seconds = warm["time_to_first_token_s"]
-        lines.append(f"warm start-up to first token < {WARM_START_TARGET_S:.0f} s: {seconds:.1f} s"
-                     f"{'' if seconds < WARM_START_TARGET_S else ' (missed)'}")
+        lines.append(
+            f"warm start-up to first token < {WARM_START_TARGET_S:.0f} s: {seconds:.1f} s"
+            f"{'' if seconds < WARM_START_TARGET_S else ' (missed)'}"
+        )
     return lines
 
 
@@ -499,51 +592,72 @@ def guarded_summary(results: dict, preset: Preset) -> dict:
 
 
 def floor_lines(floors: dict) -> list[str]:
-    copies = ", ".join(f"{name} {floors[f'{name}_copy_bytes_per_s'] / 1e12:.2f}" for name in ("jax", "torch")
-                       if f"{name}_copy_bytes_per_s" in floors)
-    return [f"(a) floors: copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s ({copies or 'one copy'}), "
-            f"bf16 matmul {floors['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"]
+    copies = ", ".join(
+        f"{name} {floors[f'{name}_copy_bytes_per_s'] / 1e12:.2f}"
+        for name in ("jax", "torch")
+        if f"{name}_copy_bytes_per_s" in floors
+    )
+    return [
+        f"(a) floors: copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s ({copies or 'one copy'}), "
+        f"bf16 matmul {floors['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
+    ]
 
 
 def decode_lines(rows: list[dict]) -> list[str]:
-    lines = ["(b) decode step: ours / floor [(weights + KV) / copy]; HF / ours",
-             f"    {'batch':>5} {'context':>7} {'ours ms':>8} {'floor ms':>8} {'ours/floor':>10} {'HF ms':>8} "
-             f"{'HF/ours':>7}"]
+    lines = [
+        "(b) decode step: ours / floor [(weights + KV) / copy]; HF / ours",
+        f"    {'batch':>5} {'context':>7} {'ours ms':>8} {'floor ms':>8} {'ours/floor':>10} {'HF ms':>8} "
+        f"{'HF/ours':>7}",
+    ]
     for r in rows:
         peer = f"{r['peer_step_ms']:>8.2f} {r['peer_over_ours']:>7.2f}" if "peer_step_ms" in r else ""
-        lines.append(f"    {r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
-                     f"{r['step_over_floor']:>10.2f} {peer}")
+        lines.append(
+            f"    {r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
+            f"{r['step_over_floor']:>10.2f} {peer}"
+        )
     return lines
 
 
 def prefill_lines(p: dict) -> list[str]:
-    return [f"(c) prefill {p['requests']} x {p['input_len']} tokens in {p['elapsed_s']:.1f} s: "
-            f"{p['flops_per_s'] / 1e12:.0f} TFLOP/s = {p['matmul_fraction']:.2f} of the matmul floor"]
+    return [
+        f"(c) prefill {p['requests']} x {p['input_len']} tokens in {p['elapsed_s']:.1f} s: "
+        f"{p['flops_per_s'] / 1e12:.0f} TFLOP/s = {p['matmul_fraction']:.2f} of the matmul floor"
+    ]
 
 
 def throughput_lines(rows: list[dict]) -> list[str]:
-    lines = ["(d, e) offline output tok/s: ours, HF transformers, ours / HF; per step of ours, the share of the",
-             "       engine's host work and of the calls into the compiled programs",
-             f"    {'workload':>15} {'ours':>8} {'host %':>6} {'calls %':>7} {'HF':>8} {'ours/HF':>7}  HF requests run"]
+    lines = [
+        "(d, e) offline output tok/s: ours, HF transformers, ours / HF; per step of ours, the share of the",
+        "       engine's host work and of the calls into the compiled programs",
+        f"    {'workload':>15} {'ours':>8} {'host %':>6} {'calls %':>7} {'HF':>8} {'ours/HF':>7}  HF requests run",
+    ]
     for r in rows:
         ours = f"{r['ours_tokens_per_s']:>8.0f}" if r["ours_tokens_per_s"] else f"{'-':>8}"
         ours += f" {r['host_share']:>6.1%} {r['call_share']:>7.1%}" if "host_share" in r else f" {'-':>6} {'-':>7}"
         ratio = f"{r['ours_over_peer']:>7.2f}" if "ours_over_peer" in r else f"{'-':>7}"
         subset = " (a subset)" if r.get("peer_subset") else ""
-        peer = f"{r['peer_tokens_per_s']:>8.0f} {ratio}  {r['peer_requests_run']}{subset}" if r.get(
-            "peer_tokens_per_s") else ""
+        peer = (
+            f"{r['peer_tokens_per_s']:>8.0f} {ratio}  {r['peer_requests_run']}{subset}"
+            if r.get("peer_tokens_per_s")
+            else ""
+        )
         lines.append(f"    {r['workload']:>15} {ours} {peer}")
     return lines
 
 
 def startup_lines(startup: dict) -> list[str]:
-    lines = ["(f) start-up: LLM(...) to the first token",
-             f"    {'':>5} {'total s':>8} {'load s':>7} {'KV init s':>9} {'precompile s':>12} {'programs':>8} "
-             f"{'compiled by 1st generate':>24}"]
+    lines = [
+        "(f) start-up: LLM(...) to the first token",
+        f"    {'':>5} {'total s':>8} {'load s':>7} {'KV init s':>9} {'precompile s':>12} {'programs':>8} "
+        f"{'compiled by 1st generate':>24}",
+    ]
     for start, s in startup.items():
-        lines.append(f"    {start:>5} {s['time_to_first_token_s']:>8.1f} {s['load_s']:>7.1f} "
-                     f"{s.get('initialize_kv_cache_s', 0):>9.1f} {s.get('capture_model_s', 0):>12.1f} "
-                     f"{s['num_compiled_programs']:>8} {s['xla_programs_built_by_first_generate']:>24}")
+        lines.append(
+            f"    {start:>5} {s['time_to_first_token_s']:>8.1f} {s['load_s']:>7.1f} "
+            f"{s.get('profile_run_s', 0) + s.get('initialize_kv_cache_s', 0):>9.1f} "
+            f"{s.get('capture_model_s', 0):>12.1f} "
+            f"{s['num_compiled_programs']:>8} {s['xla_programs_built_by_first_generate']:>24}"
+        )
     if {"cold", "warm"} <= startup.keys():
         cold, warm = (startup[k]["time_to_first_token_s"] for k in ("cold", "warm"))
         lines.append(f"    warm / cold: {warm / cold:.2f}")
@@ -600,17 +714,25 @@ def plot_decode(rows: list[dict], path: Path) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    # Imported here, not at the top, so that the workers' timings do not include torch's import.
-    from hf_peer import parse_pair, parse_workload
+    # Imported here, not at the top, so that the start-up worker times the import of JAX and jaxrunner.
+    from benchmarks.harness import parse_pair, parse_workload
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS), help="run in this order")
-    parser.add_argument("--model", choices=sorted(PRESETS), default="random-llama3-8b",
-                        help="the built-in model; its preset sets every size below")
+    parser.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default="random-llama3-8b",
+        help="the built-in model; its preset sets every size below",
+    )
     parser.add_argument("--out-dir", default="e2e")
     parser.add_argument("--timeout", type=float, default=420, help="seconds each subprocess may run")
-    parser.add_argument("--budget", type=float, default=540,
-                        help="seconds the whole run may take: a subprocess gets at most what is left of it")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=540,
+        help="seconds the whole run may take: a subprocess gets at most what is left of it",
+    )
     parser.add_argument("--decode", type=parse_pair, nargs="+", help="our decode cases BATCHxCONTEXT")
     parser.add_argument("--peer-decode", type=parse_pair, nargs="*", help="the peer's decode cases BATCHxCONTEXT")
     parser.add_argument("--workloads", type=parse_workload, nargs="+", help="offline workloads REQUESTSxIN/OUT")
@@ -639,8 +761,15 @@ def main() -> None:
     log = out_dir / "e2e.log"
     log.write_text("")
     parts = "".join(dict.fromkeys(args.parts))
-    results: dict = {"meta": {"model": args.model, "parts": parts, "date": time.strftime("%Y-%m-%d %H:%M"),
-                              "argv": sys.argv, "preset": dataclasses.asdict(preset)}}
+    results: dict = {
+        "meta": {
+            "model": args.model,
+            "parts": parts,
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "argv": sys.argv,
+            "preset": dataclasses.asdict(preset),
+        }
+    }
     with tempfile.TemporaryDirectory(prefix="e2e-") as scratch:
         harness = Harness(args.model, preset, Path(scratch), log, args.timeout, time.monotonic() + args.budget)
         for part in parts:

@@ -25,69 +25,71 @@ Dynamo keeps its defaults (automatic dynamic shapes: after a shape changes, one
 graph with that dimension dynamic), as a user's would, with a higher recompile
 limit so that no case silently falls back to eager.
 
-On the H200 (alone, about 8 minutes; ``e2e.py`` runs it as part e with the cases it needs):
+The model's shape is one of ``benchmarks.harness.SHAPES``, the ones the
+jaxrunner side of the comparison runs. On the H200 (alone, about 8 minutes;
+``benchmarks.e2e`` runs it as part e with the cases it needs):
 
-    python3 benchmarks/hf_peer.py --out hf_peer.json
+    python -m benchmarks.hf_peer --out hf_peer.json
 
 A trial there (torch 2.11, transformers 5.17) took 15 s to start, 30-70 s per
 torch.compile, 4.8 s per batch of 256 at 128/128, and 0.159 s per decode step at
 batch 256 over a 2000-token cache (so ~165 s for one batch of 256 at 1000/1000).
 
-On a CPU, to check the script in seconds:
+On a CPU, to check the script in seconds (``--no-compile``: torch.compile's
+CUDA-graph config is for GPUs, and compiling for the CPU takes minutes):
 
-    python3 benchmarks/hf_peer.py --shape tiny --decode 1x64 4x64 --workloads 8x32/16 \\
-        --concurrency 4 --steps 5 --warmup 2 --out /tmp/hf_peer.json
+    python -m benchmarks.hf_peer --shape tiny --decode 1x64 4x64 --workloads 8x32/16 \\
+        --concurrency 4 --steps 5 --warmup 2 --no-compile --out /tmp/hf_peer.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
-import re
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.generation import CompileConfig
 
-LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=8192)
-SHAPES = {
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128),
-    # jaxrunner's built-in tiny-llama shape: to check the script on a CPU.
-    "tiny": dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-}
+from benchmarks.harness import SHAPES, commit, parse_pair, parse_workload, write_json
+
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 # Tokens per prefill forward when filling the cache for a decode measurement: bounds activation memory.
 PREFILL_CHUNK_TOKENS = 8192
 
 
-def parse_pair(text: str) -> tuple[int, int]:
-    """``"64x1024"`` -> (64, 1024): a decode case (batch x context), or requests x prompt length."""
-    match = re.fullmatch(r"(\d+)x(\d+)", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected AxB, e.g. 64x1024; got {text!r}")
-    return int(match[1]), int(match[2])
-
-
-def parse_workload(text: str) -> tuple[int, int, int]:
-    """``"256x1000/1000"`` -> (256 requests, input length 1000, output length 1000)."""
-    match = re.fullmatch(r"(\d+)x(\d+)/(\d+)", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected REQUESTSxINPUT/OUTPUT, e.g. 256x1000/1000; got {text!r}")
-    return int(match[1]), int(match[2]), int(match[3])
-
-
 def build_config(shape: str) -> LlamaConfig:
-    """The Llama config of ``shape``: Llama 3.1 RoPE scaling, untied embeddings."""
-    return LlamaConfig(**SHAPES[shape], rms_norm_eps=1e-5, max_position_embeddings=131072,
-                       rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
+    """The Llama config of ``shape``: its sizes, Llama 3.1 RoPE scaling, untied embeddings."""
+    s = SHAPES[shape]
+    sizes = dict(
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+    )
+    return LlamaConfig(
+        **sizes,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_parameters=dict(LLAMA3_ROPE),
+        tie_word_embeddings=False,
+    )
 
 
 def attention_implementation(requested: str) -> str:
@@ -158,8 +160,9 @@ def prefill(model: torch.nn.Module, cache, batch: int, context: int) -> None:
         model(input_ids=tokens, use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
 
 
-def decode_times(model: torch.nn.Module, forward: Callable, batch: int, context: int, steps: int,
-                 warmup: int) -> list[float]:
+def decode_times(
+    model: torch.nn.Module, forward: Callable, batch: int, context: int, steps: int, warmup: int
+) -> list[float]:
     """Seconds per decode step at ``batch`` x ``context``, after ``warmup`` steps, on a freshly prefilled cache."""
     cache = transformers.StaticCache(config=model.config, max_cache_len=context + warmup + steps)
     prefill(model, cache, batch, context)
@@ -205,8 +208,11 @@ def decode_row(model: torch.nn.Module, batch: int, context: int, steps: int, war
     def measure(compiled: bool) -> dict:
         forward = model.get_compiled_call(CompileConfig()) if compiled else model.__call__
         times = decode_times(model, forward, batch, context, steps, warmup)
-        return {"step_ms": statistics.median(times) * 1e3, "compiled": compiled,
-                "peak_memory_gb": peak_memory_gb(model.device)}
+        return {
+            "step_ms": statistics.median(times) * 1e3,
+            "compiled": compiled,
+            "peak_memory_gb": peak_memory_gb(model.device),
+        }
 
     return {"batch": batch, "context": context} | with_compile_fallback(measure, compile, model.device)
 
@@ -217,14 +223,23 @@ def batch_sizes(num_requests: int, concurrency: int) -> list[int]:
     return sizes + ([num_requests % concurrency] if num_requests % concurrency else [])
 
 
-def generate(model: torch.nn.Module, batch: int, input_len: int, output_len: int, cache_len: int, greedy: bool,
-             compile: bool) -> int:
+def generate(
+    model: torch.nn.Module, batch: int, input_len: int, output_len: int, cache_len: int, greedy: bool, compile: bool
+) -> int:
     """One ``generate`` of ``batch`` random prompts; returns the number of tokens it generated."""
     prompts = random_tokens(model, batch, input_len)
     sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), min_new_tokens=output_len,
-                         max_new_tokens=output_len, cache_implementation="static", max_cache_len=cache_len,
-                         disable_compile=not compile, pad_token_id=0, **sampling)
+    out = model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        min_new_tokens=output_len,
+        max_new_tokens=output_len,
+        cache_implementation="static",
+        max_cache_len=cache_len,
+        disable_compile=not compile,
+        pad_token_id=0,
+        **sampling,
+    )
     return out[:, input_len:].numel()
 
 
@@ -233,8 +248,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_batches(model: torch.nn.Module, sizes: list[int], input_len: int, output_len: int, greedy: bool,
-                 compile: bool) -> dict:
+def time_batches(
+    model: torch.nn.Module, sizes: list[int], input_len: int, output_len: int, greedy: bool, compile: bool
+) -> dict:
     """Warm up each batch shape (compile, CUDA graph capture), then time the batches back to back."""
     cache_len = input_len + output_len
     start = time.perf_counter()
@@ -246,12 +262,23 @@ def time_batches(model: torch.nn.Module, sizes: list[int], input_len: int, outpu
     tokens = sum(generate(model, size, input_len, output_len, cache_len, greedy, compile) for size in sizes)
     synchronize(model.device)
     elapsed = time.perf_counter() - start
-    return {"warmup_s": warmup_s, "elapsed_s": elapsed, "output_tokens": tokens,
-            "output_tokens_per_s": tokens / elapsed, "compiled": compile and model.device.type == "cuda"}
+    return {
+        "warmup_s": warmup_s,
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / elapsed,
+        "compiled": compile and model.device.type == "cuda",
+    }
 
 
-def throughput_row(model: torch.nn.Module, workload: tuple[int, int, int], concurrency: int, max_batches: int,
-                   greedy: bool, compile: bool) -> dict:
+def throughput_row(
+    model: torch.nn.Module,
+    workload: tuple[int, int, int],
+    concurrency: int,
+    max_batches: int,
+    greedy: bool,
+    compile: bool,
+) -> dict:
     """Offline throughput of one workload, on its first ``max_batches`` batches if that is not 0."""
     num_requests, input_len, output_len = workload
     sizes = batch_sizes(num_requests, concurrency)
@@ -259,12 +286,20 @@ def throughput_row(model: torch.nn.Module, workload: tuple[int, int, int], concu
 
     def measure(compiled: bool) -> dict:
         return time_batches(model, run, input_len, output_len, greedy, compiled) | {
-            "peak_memory_gb": peak_memory_gb(model.device)}
+            "peak_memory_gb": peak_memory_gb(model.device)
+        }
 
-    return {"num_prompts": num_requests, "input_len": input_len, "output_len": output_len,
-            "concurrency": concurrency, "batches_total": len(sizes), "batches_run": len(run),
-            "requests_run": sum(run), "subset": len(run) < len(sizes), "greedy": greedy,
-            } | with_compile_fallback(measure, compile, model.device)
+    return {
+        "num_prompts": num_requests,
+        "input_len": input_len,
+        "output_len": output_len,
+        "concurrency": concurrency,
+        "batches_total": len(sizes),
+        "batches_run": len(run),
+        "requests_run": sum(run),
+        "subset": len(run) < len(sizes),
+        "greedy": greedy,
+    } | with_compile_fallback(measure, compile, model.device)
 
 
 def guarded(measure: Callable[[], dict], device: torch.device, **identity) -> dict:
@@ -298,30 +333,39 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     compile = not args.no_compile
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
-        "shape": args.shape, "attn_implementation": model.config._attn_implementation,
-        "compile_requested": compile, "build_s": time.perf_counter() - start,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit(),
+        "shape": args.shape,
+        "attn_implementation": model.config._attn_implementation,
+        "compile_requested": compile,
+        "build_s": time.perf_counter() - start,
         "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "throughput": [], "decode": [],
+        "throughput": [],
+        "decode": [],
     }
     with torch.inference_mode():
         # Shortest sequences first: generate sizes a static cache for the longest it has seen on this model.
         for w in sorted(args.workloads, key=lambda w: w[1] + w[2]):
-            result["throughput"].append(guarded(
-                lambda: throughput_row(model, w, args.concurrency, args.max_batches, args.greedy, compile),
-                device, num_prompts=w[0], input_len=w[1], output_len=w[2]))
+            measure = functools.partial(
+                throughput_row, model, w, args.concurrency, args.max_batches, args.greedy, compile
+            )
+            result["throughput"].append(guarded(measure, device, num_prompts=w[0], input_len=w[1], output_len=w[2]))
             save(result)
         for b, c in args.decode:
-            result["decode"].append(guarded(
-                lambda: decode_row(model, b, c, args.steps, args.warmup, compile), device, batch=b, context=c))
+            measure = functools.partial(decode_row, model, b, c, args.steps, args.warmup, compile)
+            result["decode"].append(guarded(measure, device, batch=b, context=c))
             save(result)
     return result
 
 
 def print_table(result: dict) -> None:
-    print(f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}, "
-          f"attention {result['attn_implementation']}, weights {result['weight_bytes'] / 1e9:.2f} GB, "
-          f"built in {result['build_s']:.0f} s")
+    print(
+        f"{result['device']}, torch {result['torch']}, transformers {result['transformers']}, "
+        f"attention {result['attn_implementation']}, weights {result['weight_bytes'] / 1e9:.2f} GB, "
+        f"built in {result['build_s']:.0f} s"
+    )
     print(f"{'batch':>5} {'context':>7} {'step ms':>8} {'compiled':>8}")
     for row in result["decode"]:
         if "error" in row:
@@ -338,24 +382,30 @@ def print_table(result: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--attn", default="auto", help="auto, sdpa, flash_attention_2 or eager")
     parser.add_argument("--no-compile", action="store_true", help="eager only")
-    parser.add_argument("--decode", type=parse_pair, nargs="*", default=[(1, 1024), (64, 4096)],
-                        help="decode cases BATCHxCONTEXT")
+    parser.add_argument(
+        "--decode", type=parse_pair, nargs="*", default=[(1, 1024), (64, 4096)], help="decode cases BATCHxCONTEXT"
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--workloads", type=parse_workload, nargs="*", default=[(256, 1000, 1000), (1000, 128, 128)],
-                        help="offline workloads REQUESTSxINPUT/OUTPUT")
+    parser.add_argument(
+        "--workloads",
+        type=parse_workload,
+        nargs="*",
+        default=[(256, 1000, 1000), (1000, 128, 128)],
+        help="offline workloads REQUESTSxINPUT/OUTPUT",
+    )
     parser.add_argument("--concurrency", type=int, default=256, help="requests per generate call")
     parser.add_argument("--max-batches", type=int, default=0, help="run only the first k batches (0: all)")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling at temperature 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="hf_peer.json")
     args = parser.parse_args()
-    print_table(run(args, lambda result: Path(args.out).write_text(json.dumps(result, indent=2))))
+    print_table(run(args, lambda result: write_json(args.out, result)))
 
 
 if __name__ == "__main__":

@@ -11,21 +11,25 @@ no call finds it in L2; at prefill sizes the matmul rate is the floor that count
 - ``split_k=S``: the contraction cut into ``S`` slices, each a GEMM into float32
   partials summed after (``S`` times the thread blocks for a weight of few columns).
 
-    python benchmarks/matmul_step.py --rows 1 64 --out matmul_step.json
+Off a GPU there is no CUPTI: each call is timed by the wall clock instead
+(``timer`` in each row says which), and ``--projections`` and ``--scale``
+shrink the shapes so that the script runs on a CPU in seconds (the test
+suite's check).
+
+    python -m benchmarks.matmul_step --rows 1 64 --out matmul_step.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decode_step import cupti_kernel_timings, measure_floors
+from benchmarks.harness import cupti_kernel_timings, device_facts, has_cupti, measure_floors, ms_by_kernel, write_json
 
 # (name, contraction size, output size): the 8B layer's four projections and the lm_head.
 PROJECTIONS = [
@@ -62,7 +66,8 @@ def variants(split_ks: list[int]) -> dict:
 
 
 def time_variant(fn, options, x, weights, repeats: int) -> dict:
-    """Kernel seconds per call (all kernels of the call), median over ``repeats`` passes over the weights."""
+    """Seconds per call (all kernels of the call), over ``repeats`` passes over the weights: the kernels'
+    own time from CUPTI on a GPU, the wall time of the passes elsewhere."""
     compiled = jax.jit(fn).lower(x, weights[0]).compile(compiler_options=options)
     expected = np.asarray(plain(x, weights[0]), np.float32)
     got = np.asarray(compiled(x, weights[0]), np.float32)
@@ -76,30 +81,48 @@ def time_variant(fn, options, x, weights, repeats: int) -> dict:
                 compiled(x, w)
         jax.block_until_ready(compiled(x, weights[0]))
 
-    timings = cupti_kernel_timings(passes)
     calls = repeats * len(weights) + 1
-    per_kernel: dict[str, float] = {}
-    for name, ms in timings:
-        per_kernel[name] = per_kernel.get(name, 0.0) + ms
-    top = max(per_kernel, key=per_kernel.get)
-    return dict(kernel_s=sum(per_kernel.values()) / 1e3 / calls, kernels_per_call=len(timings) / calls,
-                top_kernel=top[:100], max_rel_error=error)
+    if not has_cupti():
+        start = time.perf_counter()
+        passes()
+        return dict(kernel_s=(time.perf_counter() - start) / calls, timer="wall", max_rel_error=error)
+    timings = cupti_kernel_timings(passes)
+    per_kernel = ms_by_kernel(timings)
+    top = max(per_kernel, key=lambda name: per_kernel[name])
+    return dict(
+        kernel_s=sum(per_kernel.values()) / 1e3 / calls,
+        kernels_per_call=len(timings) / calls,
+        top_kernel=top[:100],
+        timer="cupti",
+        max_rel_error=error,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--split-k", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--projections",
+        nargs="+",
+        choices=[name for name, _, _ in PROJECTIONS],
+        default=[name for name, _, _ in PROJECTIONS],
+    )
+    parser.add_argument("--scale", type=int, default=1, help="divide every projection's sizes by this (toy runs)")
+    parser.add_argument("--floor-elements", type=int, default=1 << 30, help="bf16 elements of the copy test (2 GiB)")
     parser.add_argument("--out", default="matmul_step.json")
     args = parser.parse_args()
-    floors = measure_floors(1 << 30)
+    projections = [(name, k // args.scale, n // args.scale) for name, k, n in PROJECTIONS if name in args.projections]
+    facts = device_facts()
+    floors = measure_floors(args.floor_elements)
     copy = floors["copy_bytes_per_s"]
     key = jax.random.key(0)
     rows = []
-    for name, k, n in PROJECTIONS:
+    for name, k, n in projections:
         weight_bytes = k * n * 2
-        copies = max(2, -(-2 * L2_BYTES // weight_bytes))
+        # Enough copies that no call finds its weight in L2 (on a GPU; timings elsewhere are only a check).
+        copies = max(2, -(-2 * L2_BYTES // weight_bytes)) if has_cupti() else 2
         weights = [jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.bfloat16) * 0.02 for i in range(copies)]
         for m in args.rows:
             x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), jnp.bfloat16)
@@ -110,28 +133,36 @@ def main() -> None:
                     row = time_variant(fn, options, x, weights, args.repeats)
                 except Exception as exc:  # an option this XLA lacks, say: keep the other variants
                     row = dict(error=repr(exc)[:500])
-                row.update(projection=name, rows=m, variant=variant, floor_s=floor,
-                           seconds_to_measure=time.perf_counter() - start)
+                row.update(
+                    projection=name,
+                    rows=m,
+                    variant=variant,
+                    floor_s=floor,
+                    seconds_to_measure=time.perf_counter() - start,
+                )
                 if "kernel_s" in row:
                     row["fraction_of_copy"] = floor / row["kernel_s"]
                     row["fraction_of_matmul"] = 2 * m * k * n / floors["matmul_flops_per_s"] / row["kernel_s"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         del weights
-    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                  **floors, rows=rows)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"\n{result['device']}, copy {copy / 1e12:.2f} TB/s, matmul {floors['matmul_flops_per_s'] / 1e12:.0f} "
-          "TFLOP/s; kernel time per call (us) / fraction of the copy floor / fraction of the matmul rate")
+    result = dict(**facts, **floors, rows=rows)
+    write_json(args.out, result)
+    print(
+        f"\n{result['device']}, copy {copy / 1e12:.2f} TB/s, matmul {floors['matmul_flops_per_s'] / 1e12:.0f} "
+        "TFLOP/s; kernel time per call (us) / fraction of the copy floor / fraction of the matmul rate"
+    )
     names = list(dict.fromkeys(r["variant"] for r in rows))
     print("projection rows floor_us " + " ".join(names))
-    for name, _, _ in PROJECTIONS:
+    for name, _, _ in projections:
         for m in args.rows:
             cells = [r for r in rows if r["projection"] == name and r["rows"] == m]
-            text = [f"{r['kernel_s'] * 1e6:.1f}/{r['fraction_of_copy']:.2f}/{r['fraction_of_matmul']:.2f}"
-                    if "kernel_s" in r else "error"
-                    for r in cells]
+            text = [
+                f"{r['kernel_s'] * 1e6:.1f}/{r['fraction_of_copy']:.2f}/{r['fraction_of_matmul']:.2f}"
+                if "kernel_s" in r
+                else "error"
+                for r in cells
+            ]
             print(f"{name} {m} {cells[0]['floor_s'] * 1e6:.1f} " + " ".join(text))
 
 

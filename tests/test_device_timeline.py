@@ -1,12 +1,8 @@
-"""The device-timeline summary that ``benchmarks/decode_step.py --trace`` prints, on a known timeline."""
-
-import sys
-from pathlib import Path
+"""The device-timeline summary that ``python -m benchmarks.decode_step --trace`` prints, on a known timeline."""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-from device_timeline import Event, host_during, load_events, save_events, summarize  # noqa: E402
+from benchmarks.device_timeline import Event, host_during, load_events, save_events, summarize
 
 
 def test_busy_idle_and_gaps_of_overlapping_streams():
@@ -36,12 +32,16 @@ def test_a_gap_names_the_host_events_that_overlap_it_longest():
         Event("python", "main", 0, 900),  # ends before the gap
     ]
     gap = summarize(device, num_steps=1, host=host)["longest_gaps"][0]
-    assert gap["host"] == ["pjrt: Execute (100 us; 100 us from +0 us)",
-                           "pjrt: cuStreamSynchronize (30 us; 30 us from +29 us)"]
+    assert gap["host"] == [
+        "pjrt: Execute (100 us; 100 us from +0 us)",
+        "pjrt: cuStreamSynchronize (30 us; 30 us from +29 us)",
+    ]
     # Among events that cover the whole gap, the innermost comes first.
     outer = Event("time_decode", "python", -5_000_000, 5_000_000)
     assert host_during(1_000, 101_000, [outer, *host], top=2) == [
-        "pjrt: Execute (100 us; 100 us from +0 us)", "python: time_decode (100 us; 10000 us from -5001 us)"]
+        "pjrt: Execute (100 us; 100 us from +0 us)",
+        "python: time_decode (100 us; 10000 us from -5001 us)",
+    ]
 
 
 def test_no_device_events_says_so():

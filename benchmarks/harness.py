@@ -1,0 +1,348 @@
+"""What every benchmark shares: the floors, kernel timings, model shapes, runners and timing loops, and the JSON.
+
+A figure is a ratio to a floor or a peer measured in the same run: the copy
+rate (bytes read + written per second) bounds a step that reads its weights
+and KV cache, the bf16 matmul rate a step that computes. ``measure_floors``
+measures both; ``cupti_kernel_timings`` gives each kernel's device time on a
+GPU; ``build_runner`` and ``time_decode`` drive the runner's decode step the
+way the engine does; ``write_json`` stamps a result with the device, the JAX
+version and the commit it was measured on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
+from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from jaxrunner.models import TransformerConfig, init_random_model
+from jaxrunner.models.builtin import BUILTIN_MODELS
+from jaxrunner.runner.model_runner import ModelRunner
+from jaxrunner.sharding import make_mesh
+
+REPO = Path(__file__).resolve().parent.parent
+
+SHAPES: dict[str, TransformerConfig] = {
+    "llama3-8b": BUILTIN_MODELS["random-llama3-8b"],
+    "llama3-70b": BUILTIN_MODELS["random-llama3-70b"],
+    # Llama-3-8B's structure (32 layers, 32/8 heads of 128, 128k vocabulary) with narrow matrices: its weights
+    # take microseconds to read, so a decode step's time is the fixed cost every step pays whatever the width.
+    "llama3-8b-narrow": TransformerConfig(
+        vocab_size=128256,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+    ),
+    # The built-in tiny-llama's shape: every script runs at toy size on a CPU with it (the test suite does).
+    "tiny": BUILTIN_MODELS["tiny-llama"],
+}
+
+
+# ------------------------------------------------------------------- results
+
+
+def commit() -> str | None:
+    """The checkout's commit (with ``-dirty`` when it has uncommitted changes), or None outside a git checkout."""
+    try:
+        run = lambda *args: subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True)
+        head = run("rev-parse", "--short", "HEAD").stdout.strip()
+        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return f"{head}-dirty" if dirty else head
+
+
+def device_facts() -> dict:
+    """Where and on what a result was measured: the device, its count, JAX's version, the date and the commit."""
+    device = jax.devices()[0]
+    return dict(
+        device=device.device_kind,
+        platform=device.platform,
+        num_devices=jax.device_count(),
+        jax=jax.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        commit=commit(),
+    )
+
+
+def write_json(path: str | Path, result: dict) -> None:
+    """``result`` as indented JSON at ``path`` (its folder made): every script writes its figures this way."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+
+
+def parse_pair(text: str) -> tuple[int, int]:
+    """``"64x1024"`` -> (64, 1024): a decode case (batch x context), or requests x prompt length."""
+    match = re.fullmatch(r"(\d+)x(\d+)", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected AxB, e.g. 64x1024; got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+def parse_workload(text: str) -> tuple[int, int, int]:
+    """``"256x1000/1000"`` -> (256 requests, input length 1000, output length 1000)."""
+    match = re.fullmatch(r"(\d+)x(\d+)/(\d+)", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected REQUESTSxINPUT/OUTPUT, e.g. 256x1000/1000; got {text!r}")
+    return int(match[1]), int(match[2]), int(match[3])
+
+
+# -------------------------------------------------------------------- floors
+
+
+def median_seconds(fn: Callable[[], jax.Array], repeats: int) -> float:
+    """Median wall seconds of ``fn()`` to its result, after one call that compiles it."""
+    fn().block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn().block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_floors(elements: int) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, on random data.
+
+    The copy is JAX's jitted ``x * 2`` of ``elements`` bf16 values and, where torch
+    has CUDA, torch's device-to-device copy of as many bytes; the faster one is the
+    floor. The matmul is square: 8192 wide from a copy of 2**28 elements, 1024 from
+    2**24, 256 below (the toy sizes a CPU runs).
+    """
+    key = jax.random.key(0)
+    t_copy = copy_seconds(elements)
+    n = 8192 if elements >= 1 << 28 else 1024 if elements >= 1 << 24 else 256
+    a = jax.random.normal(key, (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    matmul = jax.jit(lambda p, q: p @ q)
+    t_mm = median_seconds(lambda: matmul(a, b), 10)
+    floors: dict = {"jax_copy_bytes_per_s": 2 * 2 * elements / t_copy, "matmul_flops_per_s": 2 * n**3 / t_mm}
+    floors.update(torch_copy_bytes_per_s(elements))
+    floors["copy_bytes_per_s"] = max(v for k, v in floors.items() if k.endswith("copy_bytes_per_s"))
+    return floors
+
+
+def copy_seconds(elements: int) -> float:
+    """Median seconds of JAX's jitted ``x * 2`` over ``elements`` random bf16 values (freed after)."""
+    x = jax.random.normal(jax.random.key(0), (elements,), jnp.bfloat16)
+    double = jax.jit(lambda a: a * 2)
+    return median_seconds(lambda: double(x), 20)
+
+
+def torch_copy_bytes_per_s(elements: int) -> dict[str, float | str]:
+    """torch's device-to-device copy rate of ``elements`` bf16 values (read + written), or why there is none."""
+    if jax.default_backend() != "gpu":
+        return {"torch_copy_error": "no GPU: JAX's copy is the floor"}
+    try:
+        import torch
+
+        src = torch.randn(elements, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        del src, dst
+        torch.cuda.empty_cache()
+        return {"torch_copy_bytes_per_s": 2 * 2 * elements / statistics.median(times)}
+    except Exception as exc:  # torch missing or without CUDA: JAX's copy is the floor
+        return {"torch_copy_error": repr(exc)}
+
+
+# ------------------------------------------------------------- kernel times
+
+
+def has_cupti() -> bool:
+    """Whether kernels can be timed by CUPTI: on an NVIDIA GPU only."""
+    return jax.default_backend() == "gpu"
+
+
+def cupti_kernel_timings(run: Callable[[], object]) -> list[tuple[str, float]]:
+    """(kernel name, milliseconds) of every kernel the GPU ran during ``run()``, from CUPTI's
+    activity API, as Mosaic GPU's own profiler reads it. Raises off a GPU."""
+    if not has_cupti():
+        raise RuntimeError(f"CUPTI times NVIDIA GPU kernels; this backend is {jax.default_backend()!r}")
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    ext._cupti_init()
+    try:
+        run()
+    finally:
+        timings = ext._cupti_get_timings(True)
+    return timings
+
+
+def ms_by_kernel(timings: list[tuple[str, float]]) -> dict[str, float]:
+    """Milliseconds per kernel name, summed over its launches."""
+    total: dict[str, float] = {}
+    for name, ms in timings:
+        total[name] = total.get(name, 0.0) + ms
+    return total
+
+
+# --------------------------------------------------------- runner and steps
+
+
+def fill_random(kv_caches):
+    """The caches with random values, one layer at a time: each layer's zeros are freed before
+    its random values are made, so the peak is the caches plus one layer's temporaries."""
+    key = jax.random.key(2)
+    out = []
+    for i, layer in enumerate(kv_caches):
+        filled = []
+        for j, cache in enumerate(layer):
+            shape, dtype, sharding = cache.shape, cache.dtype, cache.sharding
+            cache.delete()
+            make = jax.jit(
+                lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype), out_shardings=sharding
+            )
+            filled.append(make(jax.random.fold_in(key, 2 * i + j)))
+        out.append(tuple(filled))
+    return out
+
+
+def device_memory() -> dict[str, int]:
+    """Bytes in use on the device (and the peak and limit where the backend reports them), and the
+    bytes of the arrays Python still holds: a gap between the two is temporaries or leaked buffers."""
+    stats = jax.devices()[0].memory_stats() or {}
+    held = {"live_array_bytes": sum(a.nbytes for a in jax.live_arrays())}
+    return held | {k: int(v) for k, v in stats.items() if k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+
+
+def build_runner(
+    model: TransformerConfig,
+    batches: list[int],
+    max_context: int,
+    steps: int,
+    scheduler_steps: int = 1,
+    compiler_options: dict | None = None,
+    tensor_parallel_size: int = 1,
+) -> ModelRunner:
+    """A runner on a random-weight bf16 ``model``, buckets exactly ``batches``, a random KV cache for
+    ``max(batches)`` requests of ``max_context`` tokens and ``steps`` rounds more, ``scheduler_steps``
+    decode steps per round, its programs compiled with ``compiler_options`` (None: the runner's
+    defaults), the model split over ``tensor_parallel_size`` devices."""
+    parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    mesh = make_mesh(parallel)
+    max_batch = max(batches)
+    max_model_len = max_context + steps * scheduler_steps + 16
+    config = RunnerConfig(
+        model_config=ModelConfig(dtype="bfloat16", max_model_len=max_model_len),
+        cache_config=CacheConfig(num_gpu_blocks_override=max_batch * (-(-max_model_len // 16)) + 16),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_batch,
+            max_num_batched_tokens=max_batch,
+            async_scheduling=True,
+            num_scheduler_steps=scheduler_steps,
+        ),
+        compilation_config=CompilationConfig(
+            token_buckets=sorted(set(batches)), request_buckets=sorted(set(batches)), compiler_options=compiler_options
+        ),
+        parallel_config=parallel,
+    )
+    runner = ModelRunner(config, mesh)
+    runner.load_model(init_random_model(model, dtype="bfloat16", seed=0, mesh=mesh))
+    print(f"weights loaded: {json.dumps(device_memory())}", flush=True)
+    runner.initialize_kv_cache()
+    print(f"caches allocated: {json.dumps(device_memory())}", flush=True)
+    runner.kv_caches = fill_random(runner.kv_caches)
+    print(f"caches filled: {json.dumps(device_memory())}", flush=True)
+    return runner
+
+
+def steps_per_round(runner: ModelRunner) -> int:
+    """Decode steps each dispatch runs: the runner's ``num_scheduler_steps``."""
+    return runner.config.scheduler_config.num_scheduler_steps
+
+
+def add_decoding_requests(runner: ModelRunner, batch: int, context: int, steps: int, rng, tag: str):
+    """Give the runner ``batch`` requests at ``context`` tokens, with blocks for ``steps`` more rounds,
+    and dispatch their first step; returns their ids and that step's pending output.
+
+    As after a prefix-cache hit, all but the last prompt token are in the cache.
+    """
+    blocks_per_req = -(-(context + steps * steps_per_round(runner) + 1) // runner.block_size)
+    pool = rng.permutation(runner.num_blocks)
+    ids = [f"{tag}b{batch}c{context}r{i}" for i in range(batch)]
+    new_reqs = [
+        NewRequestData(
+            req_id,
+            rng.integers(0, runner.vocab_size, context).tolist(),
+            SamplingParams(temperature=0.0),
+            (pool[i * blocks_per_req : (i + 1) * blocks_per_req].tolist(),),
+            context - 1,
+        )
+        for i, req_id in enumerate(ids)
+    ]
+    runner.execute_model(SchedulerOutput(new_reqs, CachedRequestData(), {r: 1 for r in ids}, batch))
+    return ids, runner.sample_tokens(None)
+
+
+def decode_step_output(ids: list[str], context: int, step: int, round_steps: int = 1) -> SchedulerOutput:
+    """The scheduler's output for decode round ``step`` after the first step: ``round_steps`` steps of
+    one token for every request."""
+    cached = CachedRequestData(ids, [context + step * round_steps] * len(ids), [None] * len(ids))
+    return SchedulerOutput(
+        [], cached, {r: round_steps for r in ids}, len(ids) * round_steps, num_decode_steps=round_steps
+    )
+
+
+def finish_decoding_requests(runner: ModelRunner, ids: list[str]) -> None:
+    """Free the requests' slots, so that the next measurement starts from an empty runner."""
+    runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(ids)))
+
+
+def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, pipelined: bool) -> list[float]:
+    """Seconds per decode step for ``batch`` requests at ``context`` tokens each, over ``steps`` rounds.
+
+    One round at a time (``pipelined`` False): dispatch, then wait for the tokens on
+    the host. Pipelined, as the engine runs with async scheduling: round k+1 is
+    dispatched before round k's tokens are read, and a round's time is the interval
+    between consecutive outputs, over its steps.
+    """
+    round_steps = steps_per_round(runner)
+    ids, in_flight = add_decoding_requests(runner, batch, context, steps, rng, f"p{int(pipelined)}")
+    times = []
+    dispatched = in_flight
+    last = time.perf_counter()
+    for step in range(steps + 1):
+        if not pipelined:
+            in_flight.get_output()
+        if step < steps:
+            runner.execute_model(decode_step_output(ids, context, step, round_steps))
+            dispatched = runner.sample_tokens(None)
+        if pipelined:
+            in_flight.get_output()
+        now = time.perf_counter()
+        if step:
+            times.append((now - last) / round_steps)
+        last, in_flight = now, dispatched
+    finish_decoding_requests(runner, ids)
+    return times
+
+
+def median_step(times: list[float], warmup: int = 3) -> float:
+    """The median of ``times`` after the first ``warmup`` (all of them when there are no more)."""
+    return statistics.median(times[warmup:] or times)

@@ -1,0 +1,208 @@
+"""The current figures as one table, from ``benchmarks/results/latest/``, written into ``benchmarks/README.md``.
+
+``results/latest/`` holds the newest recorded run of each measurement and
+``sources.json``, which says for each file what it measures (``decode:BxC``,
+``attention``, ``prefill``, ``throughput``, ``host_share``, ...), where, when,
+on which commit and with which command. For each figure the table takes the
+last file in ``sources.json`` that measures it, and gives the figure as a
+ratio to the floor or peer measured in the same run. To record a new run, copy
+its JSON into ``results/latest/``, add its entry at the end of
+``sources.json``, and run this script; ``tests/test_benchmarks.py`` checks that
+README's table is the one ``results/latest/`` gives.
+
+    python -m benchmarks.report           # rewrite the table in benchmarks/README.md
+    python -m benchmarks.report --check   # exit 1 if the README's table is not the one latest/ gives
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LATEST = HERE / "results" / "latest"
+README = HERE / "README.md"
+BEGIN = "<!-- figures: `python -m benchmarks.report` writes this table from results/latest/; do not edit it -->"
+END = "<!-- end of figures -->"
+
+DECODE_CASES = [(batch, context) for context in (1024, 4096) for batch in (1, 16, 64, 256)]
+ATTENTION_DECODE_CASES = [(1, 1024), (16, 1024), (64, 1024), (64, 4096), (256, 4096)]
+ATTENTION_PREFILL_CASES = [(1, 8192), (8, 2048)]
+THROUGHPUT_WORKLOAD = "256x1000/1000"
+
+
+def load_sources(latest: Path = LATEST) -> list[dict]:
+    """``sources.json``'s entries, each with its file's JSON under ``data``."""
+    sources = json.loads((latest / "sources.json").read_text())
+    return [entry | {"data": json.loads((latest / entry["file"]).read_text())} for entry in sources]
+
+
+def newest(sources: list[dict], measure: str) -> dict | None:
+    """The last entry that measures ``measure``."""
+    return next((s for s in reversed(sources) if measure in s["measures"]), None)
+
+
+def size(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def decode_figure(source: dict, batch: int, context: int) -> tuple[str, str]:
+    """The decode step over its bandwidth floor, and the two times."""
+    data = source["data"]
+    if source["kind"] == "e2e":
+        row = next(r for r in data["summary"]["decode"] if (r["batch"], r["context"]) == (batch, context))
+        ratio = row["step_over_floor"]
+    else:
+        row = next(r for r in data["rows"] if (r["batch"], r["context"]) == (batch, context) and "error" not in r)
+        ratio = row["ratio"]
+    return f"{ratio:.2f}x", f"{row['step_ms']:.2f} ms a step, floor {row['floor_ms']:.2f} ms"
+
+
+def attention_case(source: dict, kind: str, batch: int, context: int) -> dict:
+    return next(r for r in source["data"]["cases"] if (r["kind"], r["batch"], r["context"]) == (kind, batch, context))
+
+
+def attention_decode_figure(source: dict, batch: int, context: int) -> tuple[str, str]:
+    """The kernel's KV read rate over the copy rate (device time of the whole call), and against the shipped kernel."""
+    row = attention_case(source, "decode", batch, context)
+    vs = row["pallas_paged_attention_device_s"] / row["ours_device_s"]
+    return (
+        f"{row['ours_device_kv_bw_fraction']:.0%}",
+        f"{row['ours_device_s'] * 1e6:.1f} us a call (kernel alone {row['ours_kernel_kv_bw_fraction']:.0%}); "
+        f"{vs:.2f}x the shipped Pallas paged_attention",
+    )
+
+
+def attention_prefill_figure(source: dict, batch: int, context: int) -> tuple[str, str]:
+    """The kernel's causal FLOP rate over the matmul rate, and against the dense FlashAttention-3."""
+    row = attention_case(source, "prefill", batch, context)
+    vs = row["pallas_attention_mgpu_device_s"] / row["ours_device_s"]
+    return (
+        f"{row['ours_device_matmul_fraction']:.0%}",
+        f"{row['ours_device_s'] * 1e6:.0f} us a call (kernel alone {row['ours_kernel_matmul_fraction']:.0%}); "
+        f"{vs:.2f}x the dense FlashAttention-3 (attention_mgpu)",
+    )
+
+
+def prefill_figure(source: dict) -> tuple[str, str]:
+    p = source["data"]["summary"]["prefill"]
+    return (
+        f"{p['matmul_fraction']:.0%}",
+        f"{p['requests']} prompts x {p['input_len']} tokens in {p['elapsed_s']:.1f} s, "
+        f"{p['flops_per_s'] / 1e12:.0f} TFLOP/s",
+    )
+
+
+def throughput_figure(source: dict) -> tuple[str, str]:
+    row = next(r for r in source["data"]["summary"]["throughput"] if r["workload"] == THROUGHPUT_WORKLOAD)
+    return (
+        f"{row['ours_over_peer']:.2f}x HF",
+        f"{row['ours_tokens_per_s']:,.0f} output tok/s against HF transformers' {row['peer_tokens_per_s']:,.0f}",
+    )
+
+
+def host_share_figure(source: dict) -> tuple[str, str]:
+    data = source["data"]
+    return (
+        f"{data['decode_host_share']:.1%}",
+        f"{data['decode_host_ms_per_step']:.2f} ms of a {data['decode_step_ms']:.2f} ms step "
+        f"({data['decode_steps']} decode-only steps; {data['output_tokens_per_s']:,.0f} output tok/s)",
+    )
+
+
+def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
+    """(figure, ratio, what was measured, source) for every row of the table; a figure no file measures
+    has ratio "not measured" and no source."""
+    wanted: list[tuple[str, str, Callable[[dict], tuple[str, str]]]] = []
+    for batch, context in DECODE_CASES:
+        wanted.append(
+            (
+                f"decode step / bandwidth floor, batch {batch} x {size(context)}",
+                f"decode:{batch}x{context}",
+                lambda s, b=batch, c=context: decode_figure(s, b, c),
+            )
+        )
+    for batch, context in ATTENTION_DECODE_CASES:
+        wanted.append(
+            (
+                f"attention kernel, decode {batch} x {size(context)}: KV read / copy rate",
+                "attention",
+                lambda s, b=batch, c=context: attention_decode_figure(s, b, c),
+            )
+        )
+    for batch, context in ATTENTION_PREFILL_CASES:
+        wanted.append(
+            (
+                f"attention kernel, prefill {batch} x {size(context)}: FLOP/s / matmul rate",
+                "attention",
+                lambda s, b=batch, c=context: attention_prefill_figure(s, b, c),
+            )
+        )
+    wanted += [
+        ("prefill, whole model (`jaxrunner bench`, output length 1): FLOP/s / matmul rate", "prefill", prefill_figure),
+        (f"offline throughput {THROUGHPUT_WORKLOAD}: output tok/s / HF transformers'", "throughput", throughput_figure),
+        ("host work / decode step, batch 64 (`jaxrunner bench` 64 x 1000/256)", "host_share", host_share_figure),
+    ]
+    rows = []
+    for label, measure, figure in wanted:
+        source = newest(sources, measure)
+        if source is None:
+            rows.append((label, "not measured", "", None))
+        else:
+            rows.append((label, *figure(source), source))
+    return rows
+
+
+def device_name(device: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"H100"``."""
+    return device.removeprefix("NVIDIA ").split()[0]
+
+
+def table(sources: list[dict]) -> str:
+    """The Markdown table of every figure, then its sources: device, JAX, date, commit and command."""
+    rows = figures(sources)
+    used = list(dict.fromkeys(s["file"] for *_, s in rows if s is not None))
+    by_file = {s["file"]: s for s in sources}
+    lines = ["| figure | ratio | measured | on | source |", "|---|---:|---|---|---|"]
+    for label, ratio, measured, source in rows:
+        on = f"{device_name(source['device'])}, {source['date']}" if source else ""
+        ref = f"[{used.index(source['file']) + 1}]" if source else ""
+        lines.append(f"| {label} | {ratio} | {measured} | {on} | {ref} |")
+    lines += ["", "Sources (raw JSON in `results/latest/`):", ""]
+    for i, name in enumerate(used, 1):
+        s = by_file[name]
+        commit = f"commit {s['commit']}" if s.get("commit") else f"recorded in commit {s['recorded_in']}"
+        note = f"; {s['note']}" if s.get("note") else ""
+        lines.append(
+            f"{i}. {s['device']}, jax {s['jax']}, {s['date']}, {commit}: `{s['command']}` "
+            f"([{name}](results/latest/{name}){note})"
+        )
+    return "\n".join(lines)
+
+
+def with_table(readme: str, generated: str) -> str:
+    """``readme`` with the text between its markers replaced by ``generated``."""
+    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+    return f"{readme[:start]}\n{generated}\n{readme[end:]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="only check that README's table is up to date")
+    args = parser.parse_args()
+    readme = README.read_text()
+    updated = with_table(readme, table(load_sources()))
+    if args.check:
+        if updated != readme:
+            sys.exit(
+                "benchmarks/README.md's table is not the one results/latest/ gives: run python -m benchmarks.report"
+            )
+        return
+    README.write_text(updated)
+
+
+if __name__ == "__main__":
+    main()

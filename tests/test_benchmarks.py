@@ -1,0 +1,245 @@
+"""Every benchmark script runs at toy size on the CPU and writes the figures it promises; README's table is current.
+
+Each script runs as its users run it (``python -m benchmarks.X`` from the
+repository root, in its own process), with the built-in tiny model's shape and
+its GPU-only parts (CUPTI, the shipped GPU kernels, torch's copy and compile)
+skipped. The timings mean nothing on a CPU; the tests check that every
+figure is there and positive. All scripts start at once and each test waits
+for its own, so the module takes about as long as the slowest script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 600
+
+# Each script's toy command line; "{out}" is its output file (a folder for e2e).
+COMMANDS = {
+    "decode_step": [
+        "--shape",
+        "tiny",
+        "--batches",
+        "2",
+        "--contexts",
+        "32",
+        "--steps",
+        "4",
+        "--floor-elements",
+        "65536",
+        "--out",
+        "{out}",
+    ],
+    "attention_step": [
+        "--heads",
+        "small",
+        "--only",
+        "decode:2:64",
+        "prefill:1:64",
+        "--implementations",
+        "reference",
+        "--repeats",
+        "1",
+        "--floor-elements",
+        "65536",
+        "--out",
+        "{out}",
+    ],
+    "matmul_step": [
+        "--rows",
+        "1",
+        "4",
+        "--split-k",
+        "2",
+        "--repeats",
+        "1",
+        "--projections",
+        "qkv",
+        "o",
+        "--scale",
+        "64",
+        "--floor-elements",
+        "65536",
+        "--out",
+        "{out}",
+    ],
+    "sampler_step": [
+        "--shape",
+        "tiny",
+        "--batch",
+        "4",
+        "--vocab",
+        "512",
+        "--context",
+        "32",
+        "--repeats",
+        "3",
+        "--out",
+        "{out}",
+    ],
+    "host_work": [
+        "--requests",
+        "4",
+        "--prompt-len",
+        "8",
+        "--output-len",
+        "16",
+        "--max-model-len",
+        "64",
+        "--token-buckets",
+        "16",
+        "--request-buckets",
+        "4",
+        "--breakdown",
+        "--out",
+        "{out}",
+    ],
+    "hf_peer": [
+        "--shape",
+        "tiny",
+        "--decode",
+        "1x32",
+        "--workloads",
+        "4x16/8",
+        "--concurrency",
+        "2",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--no-compile",
+        "--out",
+        "{out}",
+    ],
+    "e2e": ["--model", "tiny-llama", "--parts", "a", "f", "--out-dir", "{out}"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[subprocess.Popen, Path, Path]]]:
+    """Every script started at once, on one CPU device: name -> (process, its output, its log)."""
+    folder = tmp_path_factory.mktemp("benchmarks")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    started = {}
+    for name, args in COMMANDS.items():
+        out, log = folder / (name if name == "e2e" else f"{name}.json"), folder / f"{name}.log"
+        command = [sys.executable, "-m", f"benchmarks.{name}", *(a.format(out=out) for a in args)]
+        with open(log, "w") as sink:
+            started[name] = (
+                subprocess.Popen(command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT),
+                out,
+                log,
+            )
+    yield started
+    for process, _, _ in started.values():
+        if process.poll() is None:
+            process.kill()
+
+
+def result_of(runs, name: str) -> dict:
+    """The JSON the script wrote, once it exited cleanly (its log's tail in the failure otherwise)."""
+    process, out, log = runs[name]
+    code = process.wait(timeout=TIMEOUT_S)
+    assert code == 0, f"benchmarks.{name} exited {code}:\n{log.read_text()[-3000:]}"
+    return json.loads((out / "e2e.json" if name == "e2e" else out).read_text())
+
+
+def assert_stamped(result: dict) -> None:
+    assert result["device"] == "cpu" and result["jax"] and result["date"]
+    assert "commit" in result
+
+
+def test_decode_step_times_each_case_against_its_floor(runs):
+    result = result_of(runs, "decode_step")
+    assert_stamped(result)
+    assert result["copy_bytes_per_s"] > 0 and result["matmul_flops_per_s"] > 0 and "torch_copy_error" in result
+    (row,) = result["rows"]
+    assert (row["batch"], row["context"]) == (2, 32)
+    assert row["step_ms"] > 0 and row["floor_ms"] > 0 and row["one_at_a_time_ms"] > 0
+    assert row["ratio"] == pytest.approx(row["step_ms"] / row["floor_ms"])
+
+
+def test_attention_step_times_the_reference_against_the_floors(runs):
+    result = result_of(runs, "attention_step")
+    assert_stamped(result)
+    assert [(c["kind"], c["batch"], c["context"]) for c in result["cases"]] == [("decode", 2, 64), ("prefill", 1, 64)]
+    for case in result["cases"]:
+        assert case["kv_bytes"] > 0 and case["flops"] > 0 and case["reference_s"] > 0
+        assert case["reference_kv_bw_fraction"] > 0 and case["reference_matmul_fraction"] > 0
+        assert "ours_s" not in case and "error" not in case
+
+
+def test_matmul_step_times_every_projection_and_variant(runs):
+    result = result_of(runs, "matmul_step")
+    assert_stamped(result)
+    rows = {(r["projection"], r["rows"], r["variant"]): r for r in result["rows"]}
+    for projection in ("qkv", "o"):
+        for m in (1, 4):
+            for variant in ("xla", "split_k=2"):
+                row = rows[projection, m, variant]
+                assert row["timer"] == "wall" and row["kernel_s"] > 0 and row["fraction_of_copy"] > 0
+                assert row["max_rel_error"] < 0.05
+
+
+def test_sampler_step_sets_the_sampler_against_the_decode_step(runs):
+    result = result_of(runs, "sampler_step")
+    assert_stamped(result)
+    assert result["decode_step_ms"] > 0 and result["sampler_none_on_ms"] > 0 and result["sampler_all_on_ms"] > 0
+    assert result["sampler_all_on_fraction"] == pytest.approx(result["sampler_all_on_ms"] / result["decode_step_ms"])
+
+
+def test_host_work_breaks_the_step_down_by_span(runs):
+    result = result_of(runs, "host_work")
+    assert_stamped(result)
+    assert result["steps"] > 0 and result["host_ms"] > 0 and result["decode_steps"] > 0
+    host, device = result["spans"]["host"], result["spans"]["device"]
+    assert {"schedule", "execute_model", "prepare_inputs", "sample_tokens", "get_output", "process_outputs"} <= set(
+        host
+    )
+    assert set(device) == {"program_call", "device_wait"}
+    assert all(span["ms_per_step"] > 0 and span["entries_per_step"] > 0 for span in (*host.values(), *device.values()))
+
+
+def test_hf_peer_runs_decode_and_throughput(runs):
+    result = result_of(runs, "hf_peer")
+    assert result["device"] == "cpu" and result["compile_requested"] is False
+    (workload,) = result["throughput"]
+    assert workload["output_tokens"] == 4 * 8 and workload["output_tokens_per_s"] > 0
+    (decode,) = result["decode"]
+    assert decode["step_ms"] > 0 and decode["compiled"] is False
+
+
+def test_e2e_measures_floors_and_start_up_phases(runs):
+    result = result_of(runs, "e2e")
+    assert result["floors"]["copy_bytes_per_s"] > 0 and result["floors"]["device"] == "cpu"
+    for start in ("cold", "warm"):
+        phases = result["startup"][start]
+        assert "error" not in phases
+        assert phases["load_model_s"] > 0 and phases["initialize_kv_cache_s"] > 0 and phases["capture_model_s"] > 0
+        assert phases["time_to_first_token_s"] > phases["capture_model_s"] and phases["num_compiled_programs"] > 0
+    assert result["summary"]["errors"] == []
+
+
+def test_readme_table_is_the_one_latest_results_give():
+    readme = report.README.read_text()
+    assert report.with_table(readme, report.table(report.load_sources())) == readme
+
+
+def test_table_has_every_figure_from_a_recorded_run():
+    rows = report.figures(report.load_sources())
+    measured = {label for label, ratio, _, source in rows if source is not None}
+    assert (
+        len(rows)
+        == len(report.DECODE_CASES) + len(report.ATTENTION_DECODE_CASES) + len(report.ATTENTION_PREFILL_CASES) + 3
+    )
+    assert measured == {label for label, *_ in rows} - {"decode step / bandwidth floor, batch 256 x 4k"}
