@@ -87,12 +87,12 @@ class SamplingParams:
             ),
             (
                 "stop_token_ids",
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),
                 "must be non-negative token ids",
             ),
             (
                 "stop",
-                all(isinstance(s, str) and s for s in self.stop),
+                all(isinstance(s, str) and s for s in self.stop or []),
                 "must be non-empty strings",
             ),
             (
@@ -103,9 +103,7 @@ class SamplingParams:
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(
-                    f"SamplingParams.{name} {why}; got {getattr(self, name)!r}."
-                )
+                raise ValueError(f"SamplingParams.{name} {why}; got {getattr(self, name)!r}.")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             if not np.isfinite(value):
@@ -138,9 +136,7 @@ class CachedRequestData:
     req_ids: list[str] = dataclasses.field(default_factory=list)
     num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
     # One entry per request: per KV-cache group, the block ids appended this step.
-    new_block_ids: list[tuple[list[int], ...] | None] = dataclasses.field(
-        default_factory=list
-    )
+    new_block_ids: list[tuple[list[int], ...] | None] = dataclasses.field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> CachedRequestData:
@@ -156,15 +152,11 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(
-        default_factory=dict
-    )
+    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     finished_req_ids: set[str] = dataclasses.field(default_factory=set)
     preempted_req_ids: set[str] | None = None
     free_encoder_mm_hashes: list[str] = dataclasses.field(default_factory=list)
-    scheduled_encoder_inputs: dict[str, list[int]] = dataclasses.field(
-        default_factory=dict
-    )
+    scheduled_encoder_inputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     num_decode_steps: int = 1
     """Decode steps run back to back in this round (multi-step scheduling): each request's
     ``num_scheduled_tokens`` is this many steps of one token, and it samples one token per step."""

@@ -98,9 +98,7 @@ def test_chunked_prefill_and_decode_continue_the_cache(tmp_path):
     md1, pos1 = packed_metadata(first, **common)
     md2, pos2 = packed_metadata([14, 9], second, **common)
 
-    _, caches = step(
-        pack([p[:8] for p in prompts], 16), jnp.asarray(pos1), random_caches(config, jnp.float32, 4), md1
-    )
+    _, caches = step(pack([p[:8] for p in prompts], 16), jnp.asarray(pos1), random_caches(config, jnp.float32, 4), md1)
     logits, _ = step(pack([p[8:] for p in prompts], 16), jnp.asarray(pos2), caches, md2)
 
     ours = np.asarray(logits)[: sum(second)]

@@ -15,22 +15,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
-
 from hf_models import save_tiny_hf_model
+from jax.sharding import PartitionSpec as P
 from packed_batch import packed_metadata
 from runner_driver import HandScheduler, make_runner
 from test_attention_reference import Case, _make_inputs
 from test_model_parity import jitted_step, pack, random_caches, random_prompts, rel_err
 
-from jaxrunner.runner.buckets import CompileCounter
 from jaxrunner.compat import mosaic_gpu_interpreter_on_several_devices
 from jaxrunner.config import CacheConfig, ParallelConfig
-from jaxrunner.interfaces import SamplingParams
 from jaxrunner.engine.llm import LLM
-from jaxrunner.models import TransformerConfig, init_random_model, load_model
-from jaxrunner.models import loader
+from jaxrunner.interfaces import SamplingParams
+from jaxrunner.models import TransformerConfig, init_random_model, load_model, loader
 from jaxrunner.models.sharded_attention import write_and_attend
+from jaxrunner.runner.buckets import CompileCounter
 from jaxrunner.sharding import MODEL_AXIS, kv_cache_sharding, make_mesh, replica_meshes
 
 pytestmark = pytest.mark.skipif(
@@ -39,8 +37,14 @@ pytestmark = pytest.mark.skipif(
 GREEDY = SamplingParams(temperature=0.0)
 # Four KV heads (TP up to 4) and a vocabulary no TP size divides: the padded rows are exercised.
 CONFIG = TransformerConfig(
-    vocab_size=1001, hidden_size=64, intermediate_size=128, num_layers=2,
-    num_heads=8, num_kv_heads=4, head_dim=16, max_position_embeddings=256,
+    vocab_size=1001,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=16,
+    max_position_embeddings=256,
 )
 
 
@@ -90,8 +94,11 @@ def test_mesh_rows_are_replicas_and_impossible_layouts_are_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size must be positive"):
         ParallelConfig(tensor_parallel_size=0)
     two_kv_heads = TransformerConfig(**{**CONFIG.__dict__, "num_heads": 4, "num_kv_heads": 2})
-    with pytest.raises(ValueError, match=r"does not divide the model's num_kv_heads \(2\).*replicating KV heads"
-                       r".*not supported.*in \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not divide the model's num_kv_heads \(2\).*replicating KV heads"
+        r".*not supported.*in \[1, 2\]",
+    ):
         init_random_model(two_kv_heads, mesh=tp_mesh(4))
     odd_mlp = TransformerConfig(**{**CONFIG.__dict__, "intermediate_size": 130})
     with pytest.raises(ValueError, match=r"does not divide the model's intermediate_size \(130\).*in \[1, 2\]"):
@@ -211,8 +218,14 @@ def test_data_parallel_replicas_equal_one_device(tmp_path):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, n).tolist() for n in (5, 70, 33, 16, 1, 48, 27, 64)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-    shape = dict(max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=64, token_buckets=[64],
-                 request_buckets=[4], compilation_cache_dir=str(tmp_path))
+    shape = dict(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=64,
+        token_buckets=[64],
+        request_buckets=[4],
+        compilation_cache_dir=str(tmp_path),
+    )
     single = LLM("tiny-llama", **shape).generate(prompts, params, use_tqdm=False)
     llm = LLM("tiny-llama", tensor_parallel_size=2, data_parallel_size=2, **shape)
     engines = llm.replicas.engines
@@ -256,18 +269,33 @@ def test_two_processes_share_one_tensor_parallel_model(tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "XDG_CACHE_HOME": str(tmp_path),
-           "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "XDG_CACHE_HOME": str(tmp_path),
+        "JAX_PLATFORMS": "cpu",
+    }
     prompts = ["Hi", "Hello there"]
-    shape = dict(max_num_seqs=2, max_num_batched_tokens=16, token_buckets=[16], request_buckets=[2],
-                 num_gpu_blocks_override=16)
+    shape = dict(
+        max_num_seqs=2, max_num_batched_tokens=16, token_buckets=[16], request_buckets=[2], num_gpu_blocks_override=16
+    )
     flags = [f"--{k.replace('_', '-')}={v[0] if isinstance(v, list) else v}" for k, v in shape.items()]
     command = ["generate", "--max-tokens=4", "--tensor-parallel-size=2", *flags, *(f"--prompt={p}" for p in prompts)]
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "jaxrunner.launch", f"--coordinator-address=localhost:{port}",
-             "--num-processes=2", f"--process-id={i}", *command],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "jaxrunner.launch",
+                f"--coordinator-address=localhost:{port}",
+                "--num-processes=2",
+                f"--process-id={i}",
+                *command,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for i in range(2)
     ]

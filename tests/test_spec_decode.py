@@ -1,14 +1,14 @@
 """Speculative decoding through the engine: greedy equivalence, acceptance, no recompiles."""
 
 import numpy as np
-import transformers
 import pytest
-
+import transformers
 from hf_models import save_tiny_hf_model
-from jaxrunner.runner.buckets import CompileCounter
-from jaxrunner.interfaces import SamplingParams
+
 from jaxrunner.engine.llm import LLM
+from jaxrunner.interfaces import SamplingParams
 from jaxrunner.models import TransformerConfig
+from jaxrunner.runner.buckets import CompileCounter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -19,9 +19,16 @@ def cache_dir(tmp_path_factory):
 
 
 def make_llm(cache_dir, spec: bool):
-    return LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=200,
-               token_buckets=[8, 16, 32, 64], request_buckets=[2, 4], compilation_cache_dir=cache_dir,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None)
+    return LLM(
+        "tiny-llama",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=200,
+        token_buckets=[8, 16, 32, 64],
+        request_buckets=[2, 4],
+        compilation_cache_dir=cache_dir,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None,
+    )
 
 
 def prompts():
@@ -66,9 +73,16 @@ def test_draft_model_greedy_equals_no_speculation(cache_dir, tmp_path):
     # The built-in draft has the target's own weights (perfect drafts); the saved one is another model.
     save_tiny_hf_model("llama", tmp_path, seed=2, vocab_size=320, num_hidden_layers=1)
     for draft, perfect in (("tiny-llama", True), (str(tmp_path), False)):
-        llm = LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=200,
-                  token_buckets=[8, 16, 32, 64], request_buckets=[2, 4], compilation_cache_dir=cache_dir,
-                  speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": draft})
+        llm = LLM(
+            "tiny-llama",
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            num_gpu_blocks_override=200,
+            token_buckets=[8, 16, 32, 64],
+            request_buckets=[2, 4],
+            compilation_cache_dir=cache_dir,
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": draft},
+        )
         compiled = CompileCounter.count()
         out = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
         assert out == plain
@@ -91,10 +105,16 @@ def save_tiny_eagle_head(path, seed: int = 0) -> None:
 
     target = BUILTIN_MODELS["tiny-llama"]
     hf_config = transformers.LlamaConfig(
-        vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=target.num_heads, num_key_value_heads=target.num_kv_heads,
-        head_dim=target.head_dim, max_position_embeddings=target.max_position_embeddings,
-        rms_norm_eps=target.rms_norm_eps, architectures=["EagleLlamaForCausalLM"],
+        vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=target.num_heads,
+        num_key_value_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        max_position_embeddings=target.max_position_embeddings,
+        rms_norm_eps=target.rms_norm_eps,
+        architectures=["EagleLlamaForCausalLM"],
     )
     hf_config.save_pretrained(path)
     head = init_random_eagle_head(TransformerConfig.from_hf(hf_config), seed=seed)
@@ -105,9 +125,16 @@ def test_eagle_head_greedy_equals_no_speculation(cache_dir, tmp_path):
     batch = prompts()
     plain = [o.outputs[0].token_ids for o in make_llm(cache_dir, spec=False).generate(batch, GREEDY, use_tqdm=False)]
     save_tiny_eagle_head(tmp_path)
-    llm = LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=200,
-              token_buckets=[8, 16, 32, 64], request_buckets=[2, 4], compilation_cache_dir=cache_dir,
-              speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path)})
+    llm = LLM(
+        "tiny-llama",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=200,
+        token_buckets=[8, 16, 32, 64],
+        request_buckets=[2, 4],
+        compilation_cache_dir=cache_dir,
+        speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path)},
+    )
     compiled = CompileCounter.count()
     out = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
     assert out == plain
