@@ -1,12 +1,15 @@
-"""jaxrunner: vLLM's V1 GPU model runner and offline engine in JAX/XLA."""
+"""jaxrunner: vLLM's V1 GPU model runner and offline engine in JAX/XLA.
+
+Array shapes are jaxtyping annotations with one name per axis; README.md's "Array shapes" lists them.
+"""
 
 from jaxrunner.compat import prefer_async_gpu_dispatch, prefer_kernel_launches_to_cuda_graphs
 
 prefer_async_gpu_dispatch()  # before anything starts JAX's GPU backend
 prefer_kernel_launches_to_cuda_graphs()
 
-from jaxrunner.interfaces import SamplingParams  # noqa: E402
 from jaxrunner.engine.llm import LLM  # noqa: E402
 from jaxrunner.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from jaxrunner.interfaces import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

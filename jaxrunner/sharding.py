@@ -55,7 +55,11 @@ KV_CACHE_LOGICAL_AXES = (None, None, "kv_heads", "head_dim")
 """``[num_blocks, block_size, num_kv_heads, head_dim]``: each device holds its KV heads of every block."""
 
 
-def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    parallel: ParallelConfig,
+    # jax/__init__.py assigns jax.Device (``Device = _xc.Device``), which pyright takes for a variable.
+    devices: Sequence[jax.Device] | None = None,  # pyright: ignore[reportInvalidTypeForm]
+) -> Mesh:
     """The ``(data, model)`` mesh: ``data_parallel_size`` rows of ``tensor_parallel_size`` devices.
 
     Takes the first devices of ``jax.devices()`` (every host's, after

@@ -31,7 +31,7 @@ def _called_by_jax() -> bool:
 
 
 def typechecker(fn: Callable) -> Callable:
-    checked = beartype.beartype(fn, conf=_CONF)
+    checked = beartype.beartype(conf=_CONF)(fn)
     if fn.__name__ != "__init__":
         return checked
 

@@ -5,10 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from packed_batch import packed_metadata
-from runner_driver import make_runner
 from test_attention_reference import Case, _check, _run
 from test_model_parity import jitted_step, pack, random_prompts
-from test_sharding import CONFIG, GREEDY_PROMPTS, RUNNER_SHAPE, run_greedy, tp_mesh
+from test_sharding import CONFIG, GREEDY_PROMPTS, run_greedy, small_runner, tp_mesh
 
 from jaxrunner.config import CacheConfig, ParallelConfig
 from jaxrunner.models import TransformerConfig, init_random_model
@@ -85,7 +84,7 @@ def test_tensor_parallel_greedy_equals_one_gpu(tp):
     with jax.default_matmul_precision("float32"):
         for size in (1, tp):
             mesh = tp_mesh(size)
-            runner = make_runner(init_random_model(CONFIG, seed=1, mesh=mesh), mesh=mesh, **RUNNER_SHAPE)
+            runner = small_runner(init_random_model(CONFIG, seed=1, mesh=mesh), mesh)
             greedy[size] = run_greedy(runner, GREEDY_PROMPTS)
     assert len(greedy[1]) == len(GREEDY_PROMPTS) and all(len(tokens) == 20 for tokens in greedy[1].values())
     assert greedy[tp] == greedy[1]

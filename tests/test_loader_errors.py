@@ -4,6 +4,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from hf_models import save_tiny_hf_model, tiny_hf_config
 from jaxrunner.models import CheckpointError, TransformerConfig, load_model, supported_architectures
 from jaxrunner.models.safetensors_io import iter_tensors
 
-SMALL = dict(num_hidden_layers=2)
+SMALL: dict[str, Any] = dict(num_hidden_layers=2)  # config overrides
 
 
 @pytest.fixture(scope="module")

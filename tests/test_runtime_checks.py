@@ -26,8 +26,10 @@ def test_models_shapes_are_checked():
 
 def test_ops_dataclass_fields_are_checked():
     _metadata(num_reqs=2, num_tokens=5)
-    with pytest.raises(TypeCheckError):
-        AttentionMetadata(jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32), jnp.zeros((2, 4), jnp.int32), None)
+    with pytest.raises(TypeCheckError):  # seq_lens and block_tables disagree on num_reqs
+        AttentionMetadata(
+            jnp.zeros(3, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros((3, 4), jnp.int32), jnp.zeros(5, jnp.int32)
+        )
 
 
 def test_sample_dtypes_are_checked():

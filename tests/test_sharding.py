@@ -5,10 +5,12 @@ relative error under 1e-5, greedy tokens exactly. Shard sizes are read from the
 arrays themselves; precompiled runners must compile nothing more.
 """
 
+import functools
 import os
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from hf_models import save_tiny_hf_model
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from packed_batch import packed_metadata
 from runner_driver import HandScheduler, make_runner
@@ -136,9 +139,11 @@ def two_step_logits(model, config) -> np.ndarray:
     """Prefill chunks, then the rest of each prompt (a chunk and a decode) on the cache the first step wrote."""
     prompts = random_prompts(config.vocab_size, [14, 9, 21], seed=3)
     first, second = [8, 8, 21], [6, 1, 0]
-    common = dict(block_size=4, num_blocks=24, blocks_per_req=6, num_tokens=40, num_reqs=4)
-    md1, pos1 = packed_metadata(first, **common)
-    md2, pos2 = packed_metadata([14, 9, 21], second, **common)
+    metadata = functools.partial(
+        packed_metadata, block_size=4, num_blocks=24, blocks_per_req=6, num_tokens=40, num_reqs=4
+    )
+    md1, pos1 = metadata(first)
+    md2, pos2 = metadata([14, 9, 21], second)
     step = jitted_step(model)
     caches = jax.device_put(random_caches(config, jnp.float32, 4), kv_cache_sharding(model.mesh))
     logits1, caches = step(pack([p[:n] for p, n in zip(prompts, first)], 40), jnp.asarray(pos1), caches, md1)
@@ -187,24 +192,29 @@ def run_greedy(runner, prompts) -> dict[str, list[int]]:
     return scheduler.run()
 
 
-RUNNER_SHAPE = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=[8, 32], request_buckets=[4])
+def small_runner(model, mesh=None):
+    """The runner the greedy tensor-parallel tests share."""
+    return make_runner(
+        model, mesh=mesh, max_num_seqs=4, max_num_batched_tokens=32, token_buckets=[8, 32], request_buckets=[4]
+    )
 
 
 @pytest.fixture(scope="module")
 def unsharded_greedy():
-    return run_greedy(make_runner(init_random_model(CONFIG, seed=1), **RUNNER_SHAPE), GREEDY_PROMPTS)
+    return run_greedy(small_runner(init_random_model(CONFIG, seed=1)), GREEDY_PROMPTS)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_runner_greedy_equals_unsharded_with_no_compile_after_capture(tp, unsharded_greedy):
     mesh = tp_mesh(tp)
-    runner = make_runner(init_random_model(CONFIG, seed=1, mesh=mesh), mesh=mesh, **RUNNER_SHAPE)
+    runner = small_runner(init_random_model(CONFIG, seed=1, mesh=mesh), mesh)
     runner.capture_model()
     compiled = CompileCounter.count()
     assert run_greedy(runner, GREEDY_PROMPTS) == unsharded_greedy
     assert CompileCounter.count() == compiled
+    assert runner.kv_caches is not None
     k_cache = runner.kv_caches[0][0]
-    assert k_cache.sharding.spec == P(None, None, MODEL_AXIS, None)
+    assert isinstance(k_cache.sharding, NamedSharding) and k_cache.sharding.spec == P(None, None, MODEL_AXIS, None)
     assert {s.data.shape[2] for s in k_cache.addressable_shards} == {CONFIG.num_kv_heads // tp}
     # Each device holds 1/TP of every block, so a per-device budget buys TP times the blocks.
     per_device = runner.kv_cache_spec.per_device(tp).bytes_per_block
@@ -218,7 +228,9 @@ def test_data_parallel_replicas_equal_one_device(tmp_path):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, n).tolist() for n in (5, 70, 33, 16, 1, 48, 27, 64)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-    shape = dict(
+    tiny_llm = functools.partial(
+        LLM,
+        "tiny-llama",
         max_num_seqs=4,
         max_num_batched_tokens=64,
         num_gpu_blocks_override=64,
@@ -226,8 +238,8 @@ def test_data_parallel_replicas_equal_one_device(tmp_path):
         request_buckets=[4],
         compilation_cache_dir=str(tmp_path),
     )
-    single = LLM("tiny-llama", **shape).generate(prompts, params, use_tqdm=False)
-    llm = LLM("tiny-llama", tensor_parallel_size=2, data_parallel_size=2, **shape)
+    single = tiny_llm().generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(tensor_parallel_size=2, data_parallel_size=2)
     engines = llm.replicas.engines
     assert len({d for e in engines for d in e.runner.mesh.devices.flat}) == 4
     compiled = CompileCounter.count()
@@ -276,7 +288,8 @@ def test_two_processes_share_one_tensor_parallel_model(tmp_path):
         "JAX_PLATFORMS": "cpu",
     }
     prompts = ["Hi", "Hello there"]
-    shape = dict(
+    # The same engine shape as CLI flags and as LLM's keywords.
+    shape: dict[str, Any] = dict(
         max_num_seqs=2, max_num_batched_tokens=16, token_buckets=[16], request_buckets=[2], num_gpu_blocks_override=16
     )
     flags = [f"--{k.replace('_', '-')}={v[0] if isinstance(v, list) else v}" for k, v in shape.items()]

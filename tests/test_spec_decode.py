@@ -64,7 +64,7 @@ def test_seeded_sampling_with_speculation_is_reproducible_and_within_limits(cach
 def test_logprobs_with_speculation_are_refused_per_request(cache_dir):
     llm = make_llm(cache_dir, spec=True)
     out = llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(logprobs=2), GREEDY], use_tqdm=False)
-    assert "speculative" in out[0].error and out[1].error is None
+    assert out[0].error is not None and "speculative" in out[0].error and out[1].error is None
 
 
 def test_draft_model_greedy_equals_no_speculation(cache_dir, tmp_path):

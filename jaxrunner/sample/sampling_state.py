@@ -22,6 +22,9 @@ from jaxrunner.sample.bitmask import num_words as bitmask_words
 from jaxrunner.sample.bitmask import pack_bool_rows, pack_token_ids
 from jaxrunner.sample.gumbel import split_seed
 
+SamplingFields = dict[str, float | np.ndarray]
+"""One request's sampling parameters packed for the device, by field name (``sampling_fields``)."""
+
 
 def sampling_fields(config: SamplerConfig, vocab_size: int) -> tuple[tuple[str, int, str], ...]:
     """The packed-row fields of one request's sampling parameters."""
@@ -169,12 +172,12 @@ class SamplingArrays:
 
 def pack_sampling_params(
     params: SamplingParams, rng: random.Random, config: SamplerConfig, vocab_size: int
-) -> dict[str, object]:
+) -> SamplingFields:
     """Host-side field values of one request; checks the fixed capacities."""
     seed = params.seed if params.seed is not None else rng.getrandbits(64)
     lo, hi = split_seed(seed)
     greedy = params.greedy
-    stop_ids = list(params.all_stop_token_ids if params.all_stop_token_ids is not None else params.stop_token_ids)
+    stop_ids = list(params.all_stop_token_ids if params.all_stop_token_ids is not None else params.stop_token_ids or [])
     bias = dict(params.logit_bias or {})
     bad_words = [list(w) for w in (params.bad_words_token_ids or [])]
     _check_capacity("stop token ids (min_tokens)", len(stop_ids), config.max_stop_token_ids, "max_stop_token_ids")
@@ -217,7 +220,7 @@ def pack_sampling_params(
     }
 
 
-def uses_sampling_stages(fields: dict[str, object]) -> bool:
+def uses_sampling_stages(fields: SamplingFields) -> bool:
     """Whether a request's packed parameters (``pack_sampling_params``) turn on any stage before the draw.
 
     The host's reading of the predicates the sampling program tests on the
