@@ -55,9 +55,3 @@ class EagleHead(nnx.Module):
         """The predicted next features, and the head's updated KV caches."""
         x = self.fc(jnp.concatenate([token_embeddings, features.astype(token_embeddings.dtype)], axis=-1))
         return run_layers(self.layers, self.config, x, positions, kv_caches, metadata)
-
-
-def init_random_eagle_head(config: TransformerConfig, *, dtype="float32", seed: int = 0) -> EagleHead:
-    """An EAGLE head of ``config`` with random weights from ``seed`` (for tests and benchmarks)."""
-    dtype = jnp.dtype(dtype)
-    return EagleHead(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed))

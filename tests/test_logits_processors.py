@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrunner.sample.bitmask import apply_token_bitmask, num_words, pack_token_ids, unpack_bitmask
+from jaxrunner.sample.bitmask import apply_token_bitmask, num_words, pack_token_ids
 from jaxrunner.sample.logits_processors import (
     apply_bad_words,
     apply_logit_bias,
@@ -38,6 +38,13 @@ def _bit(words: np.ndarray, v: int) -> bool:
     return (int(words[v // 32]) >> (v % 32)) & 1 == 1
 
 
+def _unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool[..., vocab_size] from int32[..., bitmask_words] words."""
+    words = np.asarray(words, dtype=np.int32).view(np.uint32)
+    bits = (words[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].astype(bool)
+
+
 def test_pack_and_unpack_round_trip():
     rng = np.random.default_rng(0)
     for vocab in (1, 31, 32, 33, VOCAB, 152_064):
@@ -45,7 +52,7 @@ def test_pack_and_unpack_round_trip():
         words = pack_token_ids(ids.tolist(), vocab)
         assert words.dtype == np.int32 and words.shape == (num_words(vocab),)
         assert {v for v in range(vocab) if _bit(words, v)} == set(ids.tolist())
-        np.testing.assert_array_equal(np.flatnonzero(unpack_bitmask(words, vocab)), ids)
+        np.testing.assert_array_equal(np.flatnonzero(_unpack_bitmask(words, vocab)), ids)
     assert pack_token_ids([31], 32)[0] == np.int32(-(1 << 31))  # the sign bit is token 31
     with pytest.raises(ValueError):
         pack_token_ids([VOCAB], VOCAB)

@@ -97,10 +97,11 @@ def test_draft_model_greedy_equals_no_speculation(cache_dir, tmp_path):
 
 def save_tiny_eagle_head(path, seed: int = 0) -> None:
     """A random EAGLE head for the built-in tiny model, saved as an HF-style checkpoint."""
+    from flax import nnx
     from safetensors.numpy import save_file
 
     from jaxrunner.models.builtin import BUILTIN_MODELS
-    from jaxrunner.models.eagle import init_random_eagle_head
+    from jaxrunner.models.eagle import EagleHead
     from jaxrunner.models.loader import hf_tensors
 
     target = BUILTIN_MODELS["tiny-llama"]
@@ -117,7 +118,7 @@ def save_tiny_eagle_head(path, seed: int = 0) -> None:
         architectures=["EagleLlamaForCausalLM"],
     )
     hf_config.save_pretrained(path)
-    head = init_random_eagle_head(TransformerConfig.from_hf(hf_config), seed=seed)
+    head = EagleHead(TransformerConfig.from_hf(hf_config), rngs=nnx.Rngs(seed))
     save_file(hf_tensors(head), str(path / "model.safetensors"))
 
 

@@ -51,13 +51,6 @@ def pack_token_ids(token_ids: Iterable[int], vocab_size: int) -> np.ndarray:
     return words.astype(np.uint32).view(np.int32)
 
 
-def unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Host side: bool[..., V] from int32[..., ceil(V/32)] bitmask words."""
-    words = np.asarray(words, dtype=np.int32).view(np.uint32)
-    bits = (words[..., None] >> np.arange(32, dtype=np.uint32)) & 1
-    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].astype(bool)
-
-
 def pack_bool_rows(mask: Bool[Array, "num_rows vocab_size"]) -> Int[Array, "num_rows bitmask_words"]:
     """Bit ``v % 32`` of word ``v // 32`` set where ``mask[:, v]``."""
     n, vocab = mask.shape

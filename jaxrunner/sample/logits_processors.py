@@ -4,7 +4,7 @@ Each takes a batch of rows (one request's float32 logits each) and per-row
 parameters already gathered into arrays. Rows with neutral parameters (-1
 padding, penalty 1 / 0, min_p 0) come back bit-identical, so requests that use
 a feature can share a batch with requests that do not. Order in the sampler
-(FACTS.md): bitmask / logit bias / min_tokens, penalties, bad words,
+(vLLM's): bitmask / logit bias / min_tokens, penalties, bad words,
 temperature, min_p, top-k / top-p.
 """
 
