@@ -13,6 +13,7 @@ import enum
 from typing import Any
 
 import numpy as np
+from jaxtyping import Float, Int
 
 # Below this temperature vLLM samples greedily and turns top-p/top-k/min-p off.
 GREEDY_TEMPERATURE = 1e-5
@@ -180,16 +181,16 @@ class GrammarOutput:
     """
 
     structured_output_request_ids: list[str]
-    grammar_bitmask: np.ndarray  # int32 [rows, ceil(vocab / 32)]
+    grammar_bitmask: Int[np.ndarray, "num_structured_reqs bitmask_words"]  # int32; row i: request i above
 
 
 @dataclasses.dataclass
 class LogprobsLists:
     """Sample logprobs: per generated token, the sampled token first, then the top-n."""
 
-    logprob_token_ids: np.ndarray  # int32 [num_generated, 1 + n]
-    logprobs: np.ndarray  # float32 [num_generated, 1 + n]
-    sampled_token_ranks: np.ndarray  # int32 [num_generated]
+    logprob_token_ids: Int[np.ndarray, "num_generated num_logprobs_plus_1"]  # int32
+    logprobs: Float[np.ndarray, "num_generated num_logprobs_plus_1"]  # float32
+    sampled_token_ranks: Int[np.ndarray, " num_generated"]  # int32
     cu_num_generated_tokens: list[int] | None = None
 
 
