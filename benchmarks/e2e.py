@@ -371,7 +371,7 @@ def startup_worker(args: argparse.Namespace) -> dict:
     """Import, build the engine, and generate one token; the seconds of each phase and the programs compiled."""
     start = time.perf_counter()
     from jaxrunner import LLM, SamplingParams
-    from jaxrunner.runner.buckets import CompileCounter
+    from jaxrunner.runner.compilation import CompileCounter
 
     imported = time.perf_counter()
     llm = LLM(args.model, compilation_cache_dir=args.cache_dir, **PRESETS[args.model].engine)

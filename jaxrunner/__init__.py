@@ -1,4 +1,7 @@
-"""jaxrunner: vLLM's V1 GPU model runner and offline engine in JAX/XLA."""
+"""jaxrunner: vLLM's V1 GPU model runner and offline engine in JAX/XLA.
+
+Array shapes are jaxtyping annotations with one name per axis; README.md's "Array shapes" lists them.
+"""
 
 from jaxrunner import envs
 

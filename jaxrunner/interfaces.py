@@ -13,6 +13,7 @@ import enum
 from typing import Any
 
 import numpy as np
+from jaxtyping import Float, Int
 
 # Below this temperature vLLM samples greedily and turns top-p/top-k/min-p off.
 GREEDY_TEMPERATURE = 1e-5
@@ -87,12 +88,12 @@ class SamplingParams:
             ),
             (
                 "stop_token_ids",
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []),
                 "must be non-negative token ids",
             ),
             (
                 "stop",
-                all(isinstance(s, str) and s for s in self.stop),
+                all(isinstance(s, str) and s for s in self.stop or []),
                 "must be non-empty strings",
             ),
             (
@@ -103,9 +104,7 @@ class SamplingParams:
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(
-                    f"SamplingParams.{name} {why}; got {getattr(self, name)!r}."
-                )
+                raise ValueError(f"SamplingParams.{name} {why}; got {getattr(self, name)!r}.")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             if not np.isfinite(value):
@@ -138,9 +137,7 @@ class CachedRequestData:
     req_ids: list[str] = dataclasses.field(default_factory=list)
     num_computed_tokens: list[int] = dataclasses.field(default_factory=list)
     # One entry per request: per KV-cache group, the block ids appended this step.
-    new_block_ids: list[tuple[list[int], ...] | None] = dataclasses.field(
-        default_factory=list
-    )
+    new_block_ids: list[tuple[list[int], ...] | None] = dataclasses.field(default_factory=list)
 
     @classmethod
     def make_empty(cls) -> CachedRequestData:
@@ -156,15 +153,11 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(
-        default_factory=dict
-    )
+    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     finished_req_ids: set[str] = dataclasses.field(default_factory=set)
     preempted_req_ids: set[str] | None = None
     free_encoder_mm_hashes: list[str] = dataclasses.field(default_factory=list)
-    scheduled_encoder_inputs: dict[str, list[int]] = dataclasses.field(
-        default_factory=dict
-    )
+    scheduled_encoder_inputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     num_decode_steps: int = 1
     """Decode steps run back to back in this round (multi-step scheduling): each request's
     ``num_scheduled_tokens`` is this many steps of one token, and it samples one token per step."""
@@ -188,16 +181,16 @@ class GrammarOutput:
     """
 
     structured_output_request_ids: list[str]
-    grammar_bitmask: np.ndarray  # int32 [rows, ceil(vocab / 32)]
+    grammar_bitmask: Int[np.ndarray, "num_structured_reqs bitmask_words"]  # int32; row i: request i above
 
 
 @dataclasses.dataclass
 class LogprobsLists:
     """Sample logprobs: per generated token, the sampled token first, then the top-n."""
 
-    logprob_token_ids: np.ndarray  # int32 [num_generated, 1 + n]
-    logprobs: np.ndarray  # float32 [num_generated, 1 + n]
-    sampled_token_ranks: np.ndarray  # int32 [num_generated]
+    logprob_token_ids: Int[np.ndarray, "num_generated num_logprobs_plus_1"]  # int32
+    logprobs: Float[np.ndarray, "num_generated num_logprobs_plus_1"]  # float32
+    sampled_token_ranks: Int[np.ndarray, " num_generated"]  # int32
     cu_num_generated_tokens: list[int] | None = None
 
 

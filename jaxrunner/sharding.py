@@ -8,9 +8,10 @@ replicated. ``data`` holds ``data_parallel_size`` such groups, one independent
 engine replica per row.
 
 Every parameter names its logical axes (``jaxrunner.models.partitioning``) and
-``ShardingRules`` maps logical axes to mesh axes, so a layout is one table to read. XLA's SPMD partitioner inserts the collectives the
-shardings imply; the KV write and attention run per KV-head shard under
-``shard_map`` (``models/sharded_attention.py``).
+``ShardingRules`` maps logical axes to mesh axes, so a layout is one table to
+read. XLA's SPMD partitioner inserts the collectives the shardings imply; the
+KV write and attention run per KV-head shard under ``shard_map``
+(``models/sharded_attention.py``).
 
 The mesh is built from ``jax.devices()``, every process's devices: after
 ``jax.distributed.initialize`` (``jaxrunner/launch.py``) the same code lays
@@ -54,7 +55,11 @@ KV_CACHE_LOGICAL_AXES = (None, None, "kv_heads", "head_dim")
 """``[num_blocks, block_size, num_kv_heads, head_dim]``: each device holds its KV heads of every block."""
 
 
-def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    parallel: ParallelConfig,
+    # jax/__init__.py assigns jax.Device (``Device = _xc.Device``), which pyright takes for a variable.
+    devices: Sequence[jax.Device] | None = None,  # pyright: ignore[reportInvalidTypeForm]
+) -> Mesh:
     """The ``(data, model)`` mesh: ``data_parallel_size`` rows of ``tensor_parallel_size`` devices.
 
     Takes the first devices of ``jax.devices()`` (every host's, after
@@ -90,8 +95,7 @@ def _check_replicas_span_processes(grid: np.ndarray) -> None:
 def replica_meshes(mesh: Mesh) -> list[Mesh]:
     """One ``(1, tensor_parallel_size)`` mesh per data-parallel replica: the rows of ``mesh``."""
     return [
-        Mesh(mesh.devices[i : i + 1], mesh.axis_names, axis_types=mesh.axis_types)
-        for i in range(mesh.shape[DATA_AXIS])
+        Mesh(mesh.devices[i : i + 1], mesh.axis_names, axis_types=mesh.axis_types) for i in range(mesh.shape[DATA_AXIS])
     ]
 
 

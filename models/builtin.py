@@ -8,8 +8,8 @@ from jax.sharding import Mesh
 from transformers import PreTrainedTokenizerFast
 
 from jaxrunner.models import CausalLM, TransformerConfig, init_random_model, load_model
-from jaxrunner.models.transformer import Llama3RopeScaling
 from jaxrunner.models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
+from jaxrunner.models.transformer import Llama3RopeScaling
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -19,10 +19,18 @@ def _round_up(n: int, multiple: int) -> int:
 def _llama3(*, hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int) -> TransformerConfig:
     """A Llama-3.1 shape: 8 KV heads of 128, the 128k vocabulary, RoPE scaled to 128k positions."""
     return TransformerConfig(
-        vocab_size=128256, hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
-        num_heads=num_heads, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                       original_max_position_embeddings=8192),
+        vocab_size=128256,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=Llama3RopeScaling(
+            factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+        ),
         max_position_embeddings=131072,
     )
 

@@ -27,7 +27,12 @@ class EagleHead(nnx.Module):
     lm_head = None
 
     def __init__(
-        self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs,
+        self,
+        config: TransformerConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=None,
+        rngs: nnx.Rngs,
         mesh: Mesh | None = None,
     ):
         check_tensor_parallel(config, tensor_parallel_size(mesh))
@@ -41,19 +46,13 @@ class EagleHead(nnx.Module):
 
     def __call__(
         self,
-        token_embeddings: Float[Array, "T E"],
-        features: Float[Array, "T E"],
-        positions: Int[Array, "T"],
+        token_embeddings: Float[Array, "num_tokens hidden_size"],
+        features: Float[Array, "num_tokens hidden_size"],
+        positions: Int[Array, " num_tokens"],
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
         attention_backend: AttentionBackend | None = None,
-    ) -> tuple[Float[Array, "T E"], list[KVCache]]:
+    ) -> tuple[Float[Array, "num_tokens hidden_size"], list[KVCache]]:
         """The predicted next features, and the head's updated KV caches."""
         x = self.fc(jnp.concatenate([token_embeddings, features.astype(token_embeddings.dtype)], axis=-1))
         return run_layers(self.layers, self.config, x, positions, kv_caches, metadata, attention_backend)
-
-
-def init_random_eagle_head(config: TransformerConfig, *, dtype="float32", seed: int = 0) -> EagleHead:
-    """An EAGLE head of ``config`` with random weights from ``seed`` (for tests and benchmarks)."""
-    dtype = jnp.dtype(dtype)
-    return EagleHead(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed))

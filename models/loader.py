@@ -26,11 +26,11 @@ from jax.sharding import Mesh
 
 from jaxrunner.config import ParallelConfig
 from jaxrunner.models.eagle import EagleHead
+from jaxrunner.models.partitioning import logical_axes, param_sharding, param_shardings
 from jaxrunner.models.registry import model_class
 from jaxrunner.models.safetensors_io import CheckpointError, checkpoint_files, iter_tensors
 from jaxrunner.models.transformer import CausalLM, MergedProjection, TransformerConfig
 from jaxrunner.sharding import make_mesh
-from jaxrunner.models.partitioning import logical_axes, param_sharding, param_shardings
 
 _HF_LEAF_NAMES = {"kernel": "weight", "embedding": "weight"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved
@@ -55,7 +55,7 @@ def load_model(
     param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
     mesh = mesh or make_mesh(ParallelConfig())
     model = nnx.eval_shape(lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), mesh=mesh))
-    _fill_params(model, model_dir, param_dtype)
+    _fill_params(model, model_dir, param_dtype, mesh)
     return model, config
 
 
@@ -67,7 +67,7 @@ def load_eagle_head(model_dir: str | PathLike, *, dtype="float32", mesh: Mesh | 
     dtype = jnp.dtype(dtype)
     mesh = mesh or make_mesh(ParallelConfig())
     head = nnx.eval_shape(lambda: EagleHead(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0), mesh=mesh))
-    _fill_params(head, model_dir, dtype)
+    _fill_params(head, model_dir, dtype, mesh)
     return head
 
 
@@ -98,8 +98,8 @@ def _random_init(
 
 def hf_name(path: tuple) -> str:
     """The HF checkpoint name of the parameter at ``path`` in a ``CausalLM``."""
-    *parents, leaf = path
-    return ".".join([*map(str, parents), _HF_LEAF_NAMES.get(leaf, leaf)])
+    *parents, leaf = map(str, path)
+    return ".".join([*parents, _HF_LEAF_NAMES.get(leaf, leaf)])
 
 
 def hf_parts(model: nnx.Module) -> dict[tuple, list[tuple[str, int | None]]]:
@@ -132,10 +132,10 @@ def hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.dtype) -> None:
+def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.dtype, mesh: Mesh) -> None:
     """Sets every parameter of the abstract ``model`` from the checkpoint, checking names and shapes.
 
-    Each lands in its sharding on ``model.mesh``; a padded vocabulary's extra rows are zeros.
+    Each lands in its sharding on ``mesh`` (the model's); a padded vocabulary's extra rows are zeros.
     """
     params = {path: var for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
     sources = hf_parts(model)
@@ -158,12 +158,12 @@ def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.
             received.setdefault(path, {})[name] = (array, file)
             if len(received[path]) < len(sources[path]):
                 continue  # a merged parameter waits for its other parts
-            var, sharding = params[path], param_sharding(model.mesh, path)
+            var, sharding = params[path], param_sharding(mesh, path)
             shape = var.get_value().shape
             if sources[path][0][1] is None:
                 var.set_value(_to_param(array, path, shape, model.config, param_dtype, sharding, file))
             else:
-                parts = [(n, *received[path][n], slots) for n, slots in sources[path]]
+                parts = [(n, *received[path][n], slots) for n, slots in sources[path] if slots is not None]
                 var.set_value(_to_merged_param(parts, path, shape, param_dtype, sharding))
             del received[path]
     missing = sorted(name for name in owner if name not in loaded_from)
@@ -175,7 +175,10 @@ def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.
 
 
 def _to_merged_param(
-    parts: list[tuple[str, np.ndarray, Path, int]], path: tuple, shape: tuple[int, ...], param_dtype: jnp.dtype,
+    parts: list[tuple[str, np.ndarray, Path, int]],
+    path: tuple,
+    shape: tuple[int, ...],
+    param_dtype: jnp.dtype,
     sharding: jax.sharding.Sharding,
 ) -> jax.Array:
     """A merged projection's parameter of ``shape`` (``[in, *groups, slots, width]`` or a bias without ``in``)
@@ -195,14 +198,12 @@ def _to_merged_param(
             raise CheckpointError(f"{file}: tensor {name!r} has shape {array.shape}, the model expects {hf_shape}")
         views.append((array.T if is_kernel else array).reshape(part_shape))
 
-    return jax.make_array_from_callback(
-        shape, sharding, lambda index: _read_merged_shard(views, index, shape, param_dtype)
-    )
+    # The callback's index is typed Index | None, but jax asserts it is not None before each call.
+    read = lambda index: _read_merged_shard(views, index, shape, param_dtype)  # pyright: ignore[reportArgumentType]
+    return jax.make_array_from_callback(shape, sharding, read)
 
 
-def _read_merged_shard(
-    views: list[np.ndarray], index: tuple[slice, ...], shape: tuple[int, ...], dtype
-) -> np.ndarray:
+def _read_merged_shard(views: list[np.ndarray], index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
     """One device's shard of a merged parameter: its slice of every part, joined along the slots axis."""
     whole_slots = (*index[:-2], slice(None), index[-1])
     shard = np.concatenate([np.asarray(v[whole_slots], dtype=dtype) for v in views], axis=-2)
@@ -210,8 +211,13 @@ def _read_merged_shard(
 
 
 def _to_param(
-    array: np.ndarray, path: tuple, shape: tuple[int, ...], config: TransformerConfig, param_dtype: jnp.dtype,
-    sharding: jax.sharding.Sharding, file: Path,
+    array: np.ndarray,
+    path: tuple,
+    shape: tuple[int, ...],
+    config: TransformerConfig,
+    param_dtype: jnp.dtype,
+    sharding: jax.sharding.Sharding,
+    file: Path,
 ) -> jax.Array:
     """One checkpoint tensor as a parameter of ``shape`` in ``sharding``: shape-checked, transposed if a kernel.
 
@@ -224,7 +230,9 @@ def _to_param(
     if array.shape != hf_shape:
         raise CheckpointError(f"{file}: tensor {hf_name(path)!r} has shape {array.shape}, the model expects {hf_shape}")
     source = array.T if is_kernel else array
-    return jax.make_array_from_callback(shape, sharding, lambda index: _read_shard(source, index, shape, param_dtype))
+    # The callback's index is typed Index | None, but jax asserts it is not None before each call.
+    read = lambda index: _read_shard(source, index, shape, param_dtype)  # pyright: ignore[reportArgumentType]
+    return jax.make_array_from_callback(shape, sharding, read)
 
 
 def _read_shard(source: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -19,8 +19,11 @@ _LINEAR_AXES = {  # a Linear's kernel is [in, out...]; its bias [out...]
     "fc": (None, "embed"),  # EAGLE's projection of (token embedding, feature)
 }
 _NORM_AXES = {
-    "input_layernorm": "embed", "post_attention_layernorm": "embed", "norm": "embed",
-    "q_norm": "head_dim", "k_norm": "head_dim",
+    "input_layernorm": "embed",
+    "post_attention_layernorm": "embed",
+    "norm": "embed",
+    "q_norm": "head_dim",
+    "k_norm": "head_dim",
 }
 PARAM_LOGICAL_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("embed_tokens", "embedding"): ("vocab", "embed"),
@@ -30,13 +33,12 @@ PARAM_LOGICAL_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
 }
 """Logical axes of every parameter, by (module name, leaf name)."""
 
+
 def logical_axes(path: tuple) -> tuple[str | None, ...]:
     """The logical axes of the parameter at ``path`` (an nnx path such as ``(..., "qkv_proj", "kernel")``)."""
     key = (str(path[-2]), str(path[-1]))
     if key not in PARAM_LOGICAL_AXES:
-        raise ValueError(
-            f"No sharding rule for parameter {'.'.join(map(str, path))}; add {key} to PARAM_LOGICAL_AXES."
-        )
+        raise ValueError(f"No sharding rule for parameter {'.'.join(map(str, path))}; add {key} to PARAM_LOGICAL_AXES.")
     return PARAM_LOGICAL_AXES[key]
 
 
@@ -48,5 +50,3 @@ def param_sharding(mesh: Mesh, path: tuple, rules: ShardingRules = RULES) -> Nam
 def param_shardings(mesh: Mesh, params: nnx.State, rules: ShardingRules = RULES) -> nnx.State:
     """A state of ``NamedSharding``s, one per parameter: a prefix of ``params`` for jit and device_put."""
     return nnx.map_state(lambda path, _: param_sharding(mesh, path, rules), params)
-
-

@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -57,9 +58,7 @@ def read_header(path: Path) -> list[TensorEntry]:
     with path.open("rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         if 8 + header_len > size:
-            raise CheckpointError(
-                f"{path}: header claims {header_len} bytes but the file has only {size} (truncated?)"
-            )
+            raise CheckpointError(f"{path}: header claims {header_len} bytes but the file has only {size} (truncated?)")
         raw = f.read(header_len)
     try:
         header = json.loads(raw)
@@ -72,7 +71,7 @@ def read_header(path: Path) -> list[TensorEntry]:
     return [_parse_entry(path, name, info, data_start, size) for name, info in header.items()]
 
 
-def _parse_entry(path: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:
+def _parse_entry(path: Path, name: str, info: Any, data_start: int, size: int) -> TensorEntry:
     """Validates one header entry: dtype, shape, and a byte range that fits the file."""
     try:
         dtype_name, (begin, end) = info["dtype"], info["data_offsets"]
@@ -82,8 +81,7 @@ def _parse_entry(path: Path, name: str, info: object, data_start: int, size: int
         raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from e
     if dtype_name not in _DTYPES:
         raise CheckpointError(
-            f"{path}: tensor {name!r} has unsupported dtype {dtype_name!r} "
-            f"(supported: {', '.join(_DTYPES)})"
+            f"{path}: tensor {name!r} has unsupported dtype {dtype_name!r} (supported: {', '.join(_DTYPES)})"
         )
     dtype = _DTYPES[dtype_name]
     expected = math.prod(shape) * dtype.itemsize

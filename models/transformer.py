@@ -34,8 +34,11 @@ from jaxrunner.models.sharded_attention import write_and_attend
 from jaxrunner.ops import AttentionBackend, AttentionMetadata
 from jaxrunner.sharding import RULES, padded_vocab_size, replicated, tensor_parallel_size
 
-KVCache = tuple[Array, Array]
-"""One layer's ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+KVCache = tuple[
+    Float[Array, "num_blocks block_size num_kv_heads head_dim"],
+    Float[Array, "num_blocks block_size num_kv_heads head_dim"],
+]
+"""One layer's ``(k_cache, v_cache)``."""
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -187,9 +190,11 @@ def rope_inv_freq(config: TransformerConfig) -> np.ndarray:
 
 
 def apply_rope(
-    x: Float[Array, "T N D"], cos: Float[Array, "T D/2"], sin: Float[Array, "T D/2"]
-) -> Float[Array, "T N D"]:
-    """Rotates pairs ``(x[i], x[i + D/2])`` (HF's rotate-half layout), in float32."""
+    x: Float[Array, "num_tokens heads head_dim"],
+    cos: Float[Array, "num_tokens half_head_dim"],
+    sin: Float[Array, "num_tokens half_head_dim"],
+) -> Float[Array, "num_tokens heads head_dim"]:
+    """Rotates pairs ``(x[i], x[i + head_dim / 2])`` (HF's rotate-half layout), in float32."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -203,7 +208,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.dtype = dtype
 
-    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (x32 * self.weight[...].astype(jnp.float32)).astype(self.dtype)
@@ -221,8 +226,16 @@ class MergedProjection(nnx.Module):
     """
 
     def __init__(
-        self, in_features: int, groups: tuple[int, ...], parts: tuple[tuple[str, int], ...], width: int, *,
-        use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs,
+        self,
+        in_features: int,
+        groups: tuple[int, ...],
+        parts: tuple[tuple[str, int], ...],
+        width: int,
+        *,
+        use_bias: bool,
+        dtype,
+        param_dtype,
+        rngs: nnx.Rngs,
     ):
         shape = (in_features, *groups, sum(slots for _, slots in parts), width)
         init = nnx.initializers.lecun_normal(in_axis=0, out_axis=tuple(range(1, len(shape))))
@@ -236,8 +249,8 @@ class MergedProjection(nnx.Module):
         """Where each part after the first starts on the slot axis (the kernel's second-to-last)."""
         return np.cumsum([slots for _, slots in self.parts])[:-1]
 
-    def __call__(self, x: Float[Array, "T E"]) -> list[Float[Array, "T ..."]]:
-        """Each part's output, ``[T, *groups, slots, width]``."""
+    def __call__(self, x: Float[Array, "num_tokens in_features"]) -> list[Float[Array, "num_tokens *groups _ width"]]:
+        """Each part's output, ``[num_tokens, *groups, slots, width]``."""
         y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=1)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
@@ -247,17 +260,25 @@ class MergedProjection(nnx.Module):
 class Attention(nnx.Module):
     """GQA self-attention over the paged KV cache, with RoPE and optional q/k norm."""
 
-    def __init__(
-        self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None
-    ):
+    def __init__(self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None):
         group = config.num_heads // config.num_kv_heads
         self.qkv_proj = MergedProjection(
-            config.hidden_size, (config.num_kv_heads,), (("q_proj", group), ("k_proj", 1), ("v_proj", 1)),
-            config.head_dim, use_bias=config.attention_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+            config.hidden_size,
+            (config.num_kv_heads,),
+            (("q_proj", group), ("k_proj", 1), ("v_proj", 1)),
+            config.head_dim,
+            use_bias=config.attention_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
         )
         self.o_proj = nnx.Linear(
-            config.num_heads * config.head_dim, config.hidden_size, use_bias=config.o_proj_bias, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
+            config.num_heads * config.head_dim,
+            config.hidden_size,
+            use_bias=config.o_proj_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
         )
         norm = functools.partial(RMSNorm, config.head_dim, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.q_norm = norm() if config.qk_norm else None
@@ -268,19 +289,20 @@ class Attention(nnx.Module):
 
     def __call__(
         self,
-        x: Float[Array, "T E"],
-        cos: Float[Array, "T D/2"],
-        sin: Float[Array, "T D/2"],
+        x: Float[Array, "num_tokens hidden_size"],
+        cos: Float[Array, "num_tokens half_head_dim"],
+        sin: Float[Array, "num_tokens half_head_dim"],
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         attention_backend: AttentionBackend | None = None,
-    ) -> tuple[Float[Array, "T E"], KVCache]:
+    ) -> tuple[Float[Array, "num_tokens hidden_size"], KVCache]:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x)  # [t, kv_heads, slots, head_dim]; query head h reads KV head h // group
+        # [num_tokens, num_kv_heads, slots, head_dim]; query head h reads KV head h // group
+        q, k, v = self.qkv_proj(x)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = write_and_attend(
@@ -295,15 +317,25 @@ class MLP(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.gate_up_proj = MergedProjection(
-            config.hidden_size, (), (("gate_proj", 1), ("up_proj", 1)), config.intermediate_size,
-            use_bias=config.mlp_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+            config.hidden_size,
+            (),
+            (("gate_proj", 1), ("up_proj", 1)),
+            config.intermediate_size,
+            use_bias=config.mlp_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
         )
         self.down_proj = nnx.Linear(
-            config.intermediate_size, config.hidden_size, use_bias=config.mlp_bias, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs,
+            config.intermediate_size,
+            config.hidden_size,
+            use_bias=config.mlp_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
         )
 
-    def __call__(self, x: Float[Array, "T E"]) -> Float[Array, "T E"]:
+    def __call__(self, x: Float[Array, "num_tokens hidden_size"]) -> Float[Array, "num_tokens hidden_size"]:
         gate, up = (part[:, 0] for part in self.gate_up_proj(x))
         return self.down_proj(jax.nn.silu(gate) * up)
 
@@ -311,9 +343,7 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(
-        self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None
-    ):
+    def __init__(self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None):
         norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = norm()
         self.self_attn = Attention(config, layer, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
@@ -321,9 +351,14 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(
-        self, x, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata,
+        self,
+        x: Float[Array, "num_tokens hidden_size"],
+        cos: Float[Array, "num_tokens half_head_dim"],
+        sin: Float[Array, "num_tokens half_head_dim"],
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
         attention_backend: AttentionBackend | None = None,
-    ):
+    ) -> tuple[Float[Array, "num_tokens hidden_size"], KVCache]:
         attn_out, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, attention_backend)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
@@ -343,20 +378,22 @@ class Backbone(nnx.Module):
 def decoder_layers(config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None) -> nnx.List:
     """The ``num_layers`` decoder layers of ``config``."""
     return nnx.List(
-        [DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
-         for i in range(config.num_layers)]
+        [
+            DecoderLayer(config, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
+            for i in range(config.num_layers)
+        ]
     )
 
 
 def run_layers(
     layers: Sequence[DecoderLayer],
     config: TransformerConfig,
-    x: Float[Array, "T E"],
-    positions: Int[Array, "T"],
+    x: Float[Array, "num_tokens hidden_size"],
+    positions: Int[Array, " num_tokens"],
     kv_caches: list[KVCache],
     metadata: AttentionMetadata,
     attention_backend: AttentionBackend | None = None,
-) -> tuple[Float[Array, "T E"], list[KVCache]]:
+) -> tuple[Float[Array, "num_tokens hidden_size"], list[KVCache]]:
     """The decoder layers over ``x`` with RoPE at ``positions``, and their updated caches."""
     angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(config)[None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -374,7 +411,8 @@ def check_tensor_parallel(config: TransformerConfig, tp: int) -> None:
     if kv_heads % tp:
         replication = (
             "; replicating KV heads over devices (tensor_parallel_size > num_kv_heads) is not supported"
-            if tp > kv_heads else ""
+            if tp > kv_heads
+            else ""
         )
         raise ValueError(
             f"tensor_parallel_size {tp} does not divide the model's num_kv_heads ({kv_heads}): every "
@@ -398,7 +436,12 @@ class CausalLM(nnx.Module):
     """
 
     def __init__(
-        self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None, rngs: nnx.Rngs,
+        self,
+        config: TransformerConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=None,
+        rngs: nnx.Rngs,
         mesh: Mesh | None = None,
     ):
         check_tensor_parallel(config, tensor_parallel_size(mesh))
@@ -433,12 +476,12 @@ class CausalLM(nnx.Module):
 
     def __call__(
         self,
-        input_ids: Int[Array, "T"],
-        positions: Int[Array, "T"],
+        input_ids: Int[Array, " num_tokens"],
+        positions: Int[Array, " num_tokens"],
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
         attention_backend: AttentionBackend | None = None,
-    ) -> tuple[Float[Array, "T E"], list[KVCache]]:
+    ) -> tuple[Float[Array, "num_tokens hidden_size"], list[KVCache]]:
         """Hidden states after the final norm, and every layer's updated KV cache.
 
         ``attention_backend`` picks the attention ops' implementation (None: that of
@@ -450,7 +493,7 @@ class CausalLM(nnx.Module):
         )
         return self.model.norm(x), new_caches
 
-    def compute_logits(self, hidden: Float[Array, "N E"]) -> Float[Array, "N V"]:
+    def compute_logits(self, hidden: Float[Array, "num_rows hidden_size"]) -> Float[Array, "num_rows vocab_size"]:
         """Vocabulary logits (through the embedding when tied), whole on every device.
 
         As vLLM's lm_head, the matmul's output is in the model's dtype, then cast to
@@ -465,7 +508,7 @@ class CausalLM(nnx.Module):
         logits = jnp.einsum(
             spec, hidden.astype(self.dtype), weight.astype(self.dtype), preferred_element_type=self.dtype
         )
-        if tensor_parallel_size(self.mesh) > 1:
+        if self.mesh is not None and tensor_parallel_size(self.mesh) > 1:
             # Each device computes its vocabulary slice, then the slices are gathered:
             # samplers read whole rows (and no device gathers the whole weight).
             logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, RULES.spec((None, "vocab"))))

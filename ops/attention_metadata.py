@@ -20,7 +20,7 @@ class AttentionMetadata:
     slot -1: they are never written and attend to nothing.
     """
 
-    query_start_loc: Int[Array, "num_reqs_plus_1"]
-    seq_lens: Int[Array, "num_reqs"]
+    query_start_loc: Int[Array, " num_reqs_plus_1"]
+    seq_lens: Int[Array, " num_reqs"]
     block_tables: Int[Array, "num_reqs max_blocks_per_req"]
-    slot_mapping: Int[Array, "num_tokens"]
+    slot_mapping: Int[Array, " num_tokens"]

@@ -105,16 +105,16 @@ def _query_tiles(metadata: AttentionMetadata, query_tile: int, num_tiles: int) -
 class _Softmax(NamedTuple):
     """Online softmax state per (tile, kv head, group, row): running max, sum, numerator."""
 
-    max: Float[Array, "num_tiles num_kv_heads group rows"]
-    sum: Float[Array, "num_tiles num_kv_heads group rows"]
-    acc: Float[Array, "num_tiles num_kv_heads group rows head_dim"]
+    max: Float[Array, "num_tiles num_kv_heads group query_tile"]
+    sum: Float[Array, "num_tiles num_kv_heads group query_tile"]
+    acc: Float[Array, "num_tiles num_kv_heads group query_tile head_dim"]
 
 
 def _softmax_step(
     state: _Softmax,
-    scores: Float[Array, "num_tiles num_kv_heads group rows keys"],
-    mask: Bool[Array, "num_tiles 1 1 rows keys"],
-    v: Float[Array, "num_tiles keys num_kv_heads head_dim"],
+    scores: Float[Array, "num_tiles num_kv_heads group query_tile chunk_keys"],
+    mask: Bool[Array, "num_tiles 1 1 query_tile chunk_keys"],
+    v: Float[Array, "num_tiles chunk_keys num_kv_heads head_dim"],
 ) -> _Softmax:
     """Fold one chunk of masked scores and values into the online softmax.
 
@@ -134,8 +134,8 @@ def _softmax_step(
 
 
 def _gather_blocks(
-    cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"], block_ids: Int[Array, "num_tiles blocks"]
-) -> Float[Array, "num_tiles keys num_kv_heads head_dim"]:
+    cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"], block_ids: Int[Array, "num_tiles chunk_blocks"]
+) -> Float[Array, "num_tiles chunk_keys num_kv_heads head_dim"]:
     """The cache blocks ``block_ids`` per tile, flattened to consecutive keys, in float32."""
     blocks = jnp.take(cache, block_ids, axis=0, mode="clip")
     tiles, num_blocks, block_size = blocks.shape[:3]

@@ -22,7 +22,7 @@ def packed_metadata(
     num_reqs: int | None = None,
     blocks_per_req: int | None = None,
     seed: int = 0,
-) -> tuple[AttentionMetadata, Int[np.ndarray, "num_tokens"]]:
+) -> tuple[AttentionMetadata, Int[np.ndarray, " num_tokens"]]:
     """Metadata and positions for requests whose last ``query_lens`` of ``seq_lens`` tokens are scheduled.
 
     ``query_lens`` defaults to ``seq_lens`` (full prefills). ``num_tokens`` and

@@ -143,11 +143,9 @@ def _lower_for_cuda(num_tokens: int, num_reqs: int, max_blocks: int, head_dim: i
     spec = jax.ShapeDtypeStruct
     q = spec((num_tokens, 32, head_dim), dtype)
     cache = spec((4096, 16, 8, head_dim), dtype)
-    metadata = AttentionMetadata(
-        spec((num_reqs + 1,), jnp.int32),
-        spec((num_reqs,), jnp.int32),
-        spec((num_reqs, max_blocks), jnp.int32),
-        spec((num_tokens,), jnp.int32),
+    zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
+    metadata = jax.eval_shape(  # shapes only: AttentionMetadata's fields are arrays
+        lambda: AttentionMetadata(zeros(num_reqs + 1), zeros(num_reqs), zeros(num_reqs, max_blocks), zeros(num_tokens))
     )
     kernel = functools.partial(ragged_paged_attention_mgpu, sm_scale=head_dim**-0.5, config=config)
     return jax.jit(kernel).trace(q, cache, cache, metadata).lower(lowering_platforms=("cuda",))

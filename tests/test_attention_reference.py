@@ -78,7 +78,9 @@ def _make_inputs(case: Case, seed: int):
 def _dense_oracle(case: Case, q, k_cache, v_cache, metadata, sm_scale) -> np.ndarray:
     """Float64 dense causal attention per request over its K/V gathered by block table."""
     q, k_cache, v_cache = (np.asarray(x, np.float64) for x in (q, k_cache, v_cache))
-    qsl, seq_lens, tables = (np.asarray(x) for x in (metadata.query_start_loc, metadata.seq_lens, metadata.block_tables))
+    qsl, seq_lens, tables = (
+        np.asarray(x) for x in (metadata.query_start_loc, metadata.seq_lens, metadata.block_tables)
+    )
     group = case.num_q_heads // case.num_kv_heads
     out = np.zeros_like(q)
     for r in range(len(case.reqs)):
@@ -217,8 +219,8 @@ def test_prefill_8k_compiles_to_bounded_memory():
     heads, kv_heads, dim, bs = (LLAMA[k] for k in ("num_q_heads", "num_kv_heads", "head_dim", "block_size"))
     q = jax.ShapeDtypeStruct((num_tokens, heads, dim), jnp.bfloat16)
     cache = jax.ShapeDtypeStruct((context // bs + 8, bs, kv_heads, dim), jnp.bfloat16)
-    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    i32 = functools.partial(jnp.zeros, dtype=jnp.int32)  # small: lowering reads only their shapes
     metadata = AttentionMetadata(i32((2,)), i32((1,)), i32((1, context // bs)), i32((num_tokens,)))
     attend = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=dim**-0.5))
     stats = attend.lower(q, cache, cache, metadata).compile().memory_analysis()
-    assert stats.temp_size_in_bytes < 2 << 30
+    assert stats is not None and stats.temp_size_in_bytes < 2 << 30

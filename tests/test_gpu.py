@@ -4,16 +4,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxrunner.config import CacheConfig, ParallelConfig
-from jaxrunner.runner.kv_cache import KVCacheSpec, determine_num_blocks
-from jaxrunner.models import TransformerConfig, init_random_model
-from jaxrunner.sharding import kv_cache_sharding, make_mesh
 from packed_batch import packed_metadata
-from runner_driver import make_runner
 from test_attention_reference import Case, _check, _run
 from test_model_parity import jitted_step, pack, random_prompts
-from test_sharding import CONFIG, GREEDY_PROMPTS, RUNNER_SHAPE, run_greedy, tp_mesh
+from test_sharding import CONFIG, GREEDY_PROMPTS, run_greedy, small_runner, tp_mesh
+
+from jaxrunner.config import CacheConfig, ParallelConfig
+from jaxrunner.models import TransformerConfig, init_random_model
+from jaxrunner.runner.kv_cache import KVCacheSpec, determine_num_blocks
+from jaxrunner.sharding import kv_cache_sharding, make_mesh
 
 pytestmark = pytest.mark.gpu
 
@@ -38,8 +37,9 @@ def test_kv_cache_is_sized_from_device_memory():
     device = jax.devices("gpu")[0]
     spec = KVCacheSpec(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
     stats = device.memory_stats()
-    blocks = determine_num_blocks(spec, CacheConfig(gpu_memory_utilization=0.5), device,
-                                  activation_bytes=1 << 30, max_useful_blocks=1 << 40)
+    blocks = determine_num_blocks(
+        spec, CacheConfig(gpu_memory_utilization=0.5), device, activation_bytes=1 << 30, max_useful_blocks=1 << 40
+    )
     expected = (stats["bytes_limit"] * 0.5 - stats["bytes_in_use"] - (1 << 30)) // spec.bytes_per_block
     assert blocks == expected > 1000
 
@@ -49,8 +49,13 @@ def test_tensor_parallel_logits_on_two_gpus():
     if len(jax.devices("gpu")) < 2:
         pytest.skip("needs two GPUs")
     config = TransformerConfig(
-        vocab_size=4099, hidden_size=1024, intermediate_size=2048, num_layers=4,
-        num_heads=16, num_kv_heads=4, head_dim=128,
+        vocab_size=4099,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_layers=4,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
     )
     prompts = random_prompts(config.vocab_size, [300, 17, 64], seed=2)
     metadata, positions = packed_metadata([300, 17, 64], block_size=16, num_blocks=64, num_tokens=384, num_reqs=4)
@@ -79,7 +84,7 @@ def test_tensor_parallel_greedy_equals_one_gpu(tp):
     with jax.default_matmul_precision("float32"):
         for size in (1, tp):
             mesh = tp_mesh(size)
-            runner = make_runner(init_random_model(CONFIG, seed=1, mesh=mesh), mesh=mesh, **RUNNER_SHAPE)
+            runner = small_runner(init_random_model(CONFIG, seed=1, mesh=mesh), mesh)
             greedy[size] = run_greedy(runner, GREEDY_PROMPTS)
     assert len(greedy[1]) == len(GREEDY_PROMPTS) and all(len(tokens) == 20 for tokens in greedy[1].values())
     assert greedy[tp] == greedy[1]

@@ -25,7 +25,11 @@ def _rank(module: str) -> int:
     if head in BASE_MODULES:
         return BASE
     return {
-        "engine": ENGINE, "runner": RUNNER, "models": MODELS, "sample": KERNELS, "ops": KERNELS,
+        "engine": ENGINE,
+        "runner": RUNNER,
+        "models": MODELS,
+        "sample": KERNELS,
+        "ops": KERNELS,
     }.get(head, FRONT)  # cli, launch, __main__
 
 
@@ -77,7 +81,9 @@ def test_no_upward_import(module):
 
 def test_sample_and_ops_do_not_import_each_other():
     crossing = [
-        (m, i) for m, deps in GRAPH.items() for i in deps
+        (m, i)
+        for m, deps in GRAPH.items()
+        for i in deps
         if _rank(m) == _rank(i) == KERNELS and m.split(".")[1] != i.split(".")[1]
     ]
     assert not crossing
@@ -90,7 +96,7 @@ def test_no_import_cycle():
         state[module] = 1
         for dep in sorted(GRAPH[module]):
             if state.get(dep) == 1:
-                cycle = path[path.index(dep):] + [dep] if dep in path else [module, dep]
+                cycle = path[path.index(dep) :] + [dep] if dep in path else [module, dep]
                 raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
             if dep not in state:
                 visit(dep, path + [dep])
@@ -106,7 +112,10 @@ def test_a_broken_layering_is_caught():
     module = "jaxrunner.ops.attention"
     source = MODULES[module].read_text() + "\nfrom jaxrunner.runner.model_runner import ModelRunner\n"
     tree_imports = {
-        n for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)
-        for n in [node.module or ""] if n.startswith("jaxrunner")
+        n
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom)
+        for n in [node.module or ""]
+        if n.startswith("jaxrunner")
     }
     assert any(_rank(i) > _rank(module) for i in tree_imports)

@@ -4,6 +4,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from hf_models import save_tiny_hf_model, tiny_hf_config
 from jaxrunner.models import CheckpointError, TransformerConfig, load_model, supported_architectures
 from jaxrunner.models.safetensors_io import iter_tensors
 
-SMALL = dict(num_hidden_layers=2)
+SMALL: dict[str, Any] = dict(num_hidden_layers=2)  # config overrides
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,9 @@ def test_unsupported_rope_type_is_named():
 
 def test_qwen_sliding_window_only_when_enabled():
     off = TransformerConfig.from_hf(tiny_hf_config("qwen2", sliding_window=6))
-    on = TransformerConfig.from_hf(tiny_hf_config("qwen3", use_sliding_window=True, sliding_window=6, max_window_layers=2))
+    on = TransformerConfig.from_hf(
+        tiny_hf_config("qwen3", use_sliding_window=True, sliding_window=6, max_window_layers=2)
+    )
     assert off.sliding_window is None and off.layer_sliding_window(2) is None
     assert [on.layer_sliding_window(i) for i in range(3)] == [None, None, 6]
 
@@ -114,7 +117,11 @@ def test_qwen_sliding_window_only_when_enabled():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32])
 def test_reader_matches_the_safetensors_library(dtype, tmp_path):
     path = tmp_path / "t.safetensors"
-    tensors = {"a": (torch.randn(3, 5) * 100).to(dtype), "b": torch.arange(7).to(dtype), "scalar": torch.ones(()).to(dtype)}
+    tensors = {
+        "a": (torch.randn(3, 5) * 100).to(dtype),
+        "b": torch.arange(7).to(dtype),
+        "scalar": torch.ones(()).to(dtype),
+    }
     safetensors.torch.save_file(tensors, path)
     ours = dict(iter_tensors(path))
     assert ours.keys() == tensors.keys()

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrunner.sample.bitmask import apply_token_bitmask, num_words, pack_token_ids, unpack_bitmask
+from jaxrunner.sample.bitmask import apply_token_bitmask, num_words, pack_token_ids
 from jaxrunner.sample.logits_processors import (
     apply_bad_words,
     apply_logit_bias,
@@ -38,6 +38,13 @@ def _bit(words: np.ndarray, v: int) -> bool:
     return (int(words[v // 32]) >> (v % 32)) & 1 == 1
 
 
+def _unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool[..., vocab_size] from int32[..., bitmask_words] words."""
+    words = np.asarray(words, dtype=np.int32).view(np.uint32)
+    bits = (words[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].astype(bool)
+
+
 def test_pack_and_unpack_round_trip():
     rng = np.random.default_rng(0)
     for vocab in (1, 31, 32, 33, VOCAB, 152_064):
@@ -45,7 +52,7 @@ def test_pack_and_unpack_round_trip():
         words = pack_token_ids(ids.tolist(), vocab)
         assert words.dtype == np.int32 and words.shape == (num_words(vocab),)
         assert {v for v in range(vocab) if _bit(words, v)} == set(ids.tolist())
-        np.testing.assert_array_equal(np.flatnonzero(unpack_bitmask(words, vocab)), ids)
+        np.testing.assert_array_equal(np.flatnonzero(_unpack_bitmask(words, vocab)), ids)
     assert pack_token_ids([31], 32)[0] == np.int32(-(1 << 31))  # the sign bit is token 31
     with pytest.raises(ValueError):
         pack_token_ids([VOCAB], VOCAB)
@@ -134,7 +141,7 @@ def _numpy_bad_words(logits, words: list[list[list[int]]], past: list[list[int]]
     for i, row_words in enumerate(words):
         for word in row_words:
             prefix = word[:-1]
-            if len(prefix) <= len(past[i]) and (not prefix or past[i][-len(prefix):] == prefix):
+            if len(prefix) <= len(past[i]) and (not prefix or past[i][-len(prefix) :] == prefix):
                 out[i, word[-1]] = -np.inf
     return out
 
@@ -149,7 +156,7 @@ def test_bad_words_match_numpy():
         row = []
         for _ in range(rng.integers(0, num_words_ + 1) if i % 4 else 0):  # every 4th row: none
             m = int(rng.integers(1, length + 1))  # lengths 1 .. L
-            tail = past[i][len(past[i]) - (m - 1):] if 0 < m - 1 <= len(past[i]) else []
+            tail = past[i][len(past[i]) - (m - 1) :] if 0 < m - 1 <= len(past[i]) else []
             prefix = tail if tail and rng.random() < 0.6 else rng.integers(0, vocab, m - 1).tolist()
             row.append(prefix + [int(rng.integers(0, vocab))])
         words.append(row)
@@ -157,9 +164,9 @@ def test_bad_words_match_numpy():
     history = np.full((n, length - 1), -1, np.int32)
     for i in range(n):
         for j, word in enumerate(words[i]):
-            bad[i, j, length - len(word):] = word
-        tail = past[i][-(length - 1):]
-        history[i, length - 1 - len(tail):] = tail
+            bad[i, j, length - len(word) :] = word
+        tail = past[i][-(length - 1) :]
+        history[i, length - 1 - len(tail) :] = tail
     want = _numpy_bad_words(logits, words, past)
     got = jax.jit(apply_bad_words)(logits, bad, history)
     neutral = np.array([not w for w in words])
@@ -178,7 +185,7 @@ def test_bad_words_edge_cases():
         np.int32,
     )
     history = np.array([[-1, -1], [1, 2], [-1, 3]], np.int32)
-    got = np.asarray(apply_bad_words(jnp.asarray(logits), bad, history))
+    got = np.asarray(apply_bad_words(jnp.asarray(logits), jnp.asarray(bad), jnp.asarray(history)))
     assert np.flatnonzero(np.isinf(got[0])).tolist() == [5]
     assert np.flatnonzero(np.isinf(got[1])).tolist() == [6, 7]
     assert not np.isinf(got[2]).any()

@@ -1,5 +1,7 @@
 """Our loaded models against transformers: same checkpoint, same prompt logits."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,13 +96,13 @@ def test_chunked_prefill_and_decode_continue_the_cache(tmp_path):
     step = jitted_step(model)
     prompts = random_prompts(config.vocab_size, [14, 9], seed=3)
     first, second = [8, 8], [6, 1]
-    common = dict(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, blocks_per_req=4, num_tokens=16, num_reqs=2)
-    md1, pos1 = packed_metadata(first, **common)
-    md2, pos2 = packed_metadata([14, 9], second, **common)
-
-    _, caches = step(
-        pack([p[:8] for p in prompts], 16), jnp.asarray(pos1), random_caches(config, jnp.float32, 4), md1
+    metadata = functools.partial(
+        packed_metadata, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, blocks_per_req=4, num_tokens=16, num_reqs=2
     )
+    md1, pos1 = metadata(first)
+    md2, pos2 = metadata([14, 9], second)
+
+    _, caches = step(pack([p[:8] for p in prompts], 16), jnp.asarray(pos1), random_caches(config, jnp.float32, 4), md1)
     logits, _ = step(pack([p[8:] for p in prompts], 16), jnp.asarray(pos2), caches, md2)
 
     ours = np.asarray(logits)[: sum(second)]

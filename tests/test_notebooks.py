@@ -52,6 +52,7 @@ def test_notebook_runs(path: Path, kernel_dir: Path, monkeypatch: pytest.MonkeyP
 def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A HuggingFace Llama checkpoint with its tokenizer, as ``save_pretrained`` writes them."""
     from hf_models import save_tiny_hf_model
+
     from jaxrunner.models.tokenizer import build_byte_tokenizer
 
     path = tmp_path_factory.mktemp("checkpoint")

@@ -9,11 +9,11 @@ import pytest
 from scipy import stats
 
 from jaxrunner.config import SamplerConfig
+from jaxrunner.sample import rejection_sampler
 from jaxrunner.sample.gumbel import gumbel_from_hash, murmur3_hash32
+from jaxrunner.sample.rejection_sampler import rejection_sample
 from jaxrunner.sample.sampler import sample
 from jaxrunner.sample.sampling_state import SamplingArrays
-from jaxrunner.sample import rejection_sampler
-from jaxrunner.sample.rejection_sampler import rejection_sample
 
 K, V = 3, 10
 MASKED = 7  # a token the target forbids at every row
@@ -38,19 +38,23 @@ def test_greedy_accepts_the_matching_prefix_then_emits_the_argmax():
     logits = rng.normal(size=(4, K + 1, V)).astype(np.float32)
     best = logits.argmax(-1)
     wrong = (best + 1) % V
-    drafts = np.stack([
-        [best[0, 0], best[0, 1], wrong[0, 2]],  # mismatch at draft 2
-        best[1, :K],                            # all accepted: bonus from row 3
-        wrong[2, :K],                           # no drafts at all
-        [best[3, 0], best[3, 1], -1],           # two real drafts, both accepted
-    ]).astype(np.int32)
+    drafts = np.stack(
+        [
+            [best[0, 0], best[0, 1], wrong[0, 2]],  # mismatch at draft 2
+            best[1, :K],  # all accepted: bonus from row 3
+            wrong[2, :K],  # no drafts at all
+            [best[3, 0], best[3, 1], -1],  # two real drafts, both accepted
+        ]
+    ).astype(np.int32)
     num_drafts = jnp.array([3, 3, 0, 2])
-    expected_out = np.array([
-        [best[0, 0], best[0, 1], best[0, 2], -1],
-        [*best[1, :K], best[1, K]],
-        [best[2, 0], -1, -1, -1],
-        [best[3, 0], best[3, 1], best[3, 2], -1],
-    ])
+    expected_out = np.array(
+        [
+            [best[0, 0], best[0, 1], best[0, 2], -1],
+            [*best[1, :K], best[1, K]],
+            [best[2, 0], -1, -1, -1],
+            [best[3, 0], best[3, 1], best[3, 2], -1],
+        ]
+    )
     dense_q = jnp.asarray(_softmax(rng.normal(size=(4, K, V))), jnp.float32)
     for q in (None, dense_q):  # greedy rows ignore q
         out, n = rejection_sample(
@@ -136,8 +140,15 @@ def test_rows_with_fewer_drafts_pad_with_minus_one_and_jit_agrees(dense_q):
     drafts = np.where(np.arange(K) < num_drafts[:, None], peak[:, :K], rng.integers(-5, V + 5, size=(n, K)))
     is_greedy = np.arange(n) % 3 == 0
     q = jnp.asarray(_softmax(rng.normal(size=(n, K, V))), jnp.float32) if dense_q else None
-    args = (jnp.asarray(logits), jnp.asarray(drafts, jnp.int32), jnp.asarray(num_drafts, jnp.int32), q,
-            jnp.asarray(is_greedy), *_seeds(n), _positions(n))
+    args = (
+        jnp.asarray(logits),
+        jnp.asarray(drafts, jnp.int32),
+        jnp.asarray(num_drafts, jnp.int32),
+        q,
+        jnp.asarray(is_greedy),
+        *_seeds(n),
+        _positions(n),
+    )
     out, num_sampled = rejection_sample(*args)
     jit_out, jit_num = jax.jit(rejection_sample)(*args)
     np.testing.assert_array_equal(jit_out, out)
@@ -156,21 +167,37 @@ def test_random_row_without_drafts_samples_what_the_ordinary_sampler_samples():
     positions = jnp.asarray(rng.integers(0, 1 << 20, size=(n, K + 1)), jnp.int32)
     target = jnp.zeros((n, K + 1, V), jnp.float32).at[:, 0].set(jnp.asarray(raw) / temperature)
     out, num_sampled = rejection_sample(
-        target, jnp.zeros((n, K), jnp.int32), jnp.zeros(n, jnp.int32), None, jnp.zeros(n, bool),
-        seed_lo, seed_hi, positions,
+        target,
+        jnp.zeros((n, K), jnp.int32),
+        jnp.zeros(n, jnp.int32),
+        None,
+        jnp.zeros(n, bool),
+        seed_lo,
+        seed_hi,
+        positions,
     )
     np.testing.assert_array_equal(num_sampled, 1)
-    noise = gumbel_from_hash(murmur3_hash32(
-        seed_lo[:, None], seed_hi[:, None], positions[:, :1].astype(jnp.uint32), jnp.arange(V, dtype=jnp.uint32)
-    ))
+    noise = gumbel_from_hash(
+        murmur3_hash32(
+            seed_lo[:, None], seed_hi[:, None], positions[:, :1].astype(jnp.uint32), jnp.arange(V, dtype=jnp.uint32)
+        )
+    )
     np.testing.assert_array_equal(out[:, 0], jnp.argmax(target[:, 0] + noise, axis=-1))
 
     state = SamplingArrays.zeros(n, SamplerConfig(), V)
-    state = SamplingArrays(**{**state.__dict__, "temperature": jnp.full(n, temperature), "seed_lo": seed_lo,
-                              "seed_hi": seed_hi})
+    state = SamplingArrays(
+        **{**state.__dict__, "temperature": jnp.full(n, temperature), "seed_lo": seed_lo, "seed_hi": seed_hi}
+    )
     ordinary = sample(
-        jnp.asarray(raw), state, jnp.zeros((n, 4), jnp.int32), jnp.arange(n), positions[:, 0],
-        jnp.zeros((n, -(-V // 32)), jnp.int32), jnp.zeros(n, bool), max_logprobs=1, logprobs_mode="raw_logprobs",
+        jnp.asarray(raw),
+        state,
+        jnp.zeros((n, 4), jnp.int32),
+        jnp.arange(n),
+        positions[:, 0],
+        jnp.zeros((n, -(-V // 32)), jnp.int32),
+        jnp.zeros(n, bool),
+        max_logprobs=1,
+        logprobs_mode="raw_logprobs",
     )
     np.testing.assert_array_equal(out[:, 0], ordinary.sampled_token_ids)
     assert len(np.unique(out[:, 0])) > V // 2

@@ -5,33 +5,34 @@ relative error under 1e-5, greedy tokens exactly. Shard sizes are read from the
 arrays themselves; precompiled runners must compile nothing more.
 """
 
+import functools
 import os
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
-
 from hf_models import save_tiny_hf_model
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from packed_batch import packed_metadata
 from runner_driver import HandScheduler, make_runner
 from test_attention_reference import Case, _make_inputs
 from test_model_parity import jitted_step, pack, random_caches, random_prompts, rel_err
 
-from jaxrunner.runner.compilation import CompileCounter
 from jaxrunner.compat import mosaic_gpu_interpreter_on_several_devices
 from jaxrunner.config import CacheConfig, ParallelConfig
-from jaxrunner.interfaces import SamplingParams
 from jaxrunner.engine.llm import LLM
-from jaxrunner.models import TransformerConfig, init_random_model, load_model
-from jaxrunner.models import loader
+from jaxrunner.interfaces import SamplingParams
+from jaxrunner.models import TransformerConfig, init_random_model, load_model, loader
 from jaxrunner.models.sharded_attention import write_and_attend
 from jaxrunner.ops.attention_backend import AttentionBackend
+from jaxrunner.runner.compilation import CompileCounter
 from jaxrunner.sharding import MODEL_AXIS, kv_cache_sharding, make_mesh, replica_meshes
 
 pytestmark = pytest.mark.skipif(
@@ -40,8 +41,14 @@ pytestmark = pytest.mark.skipif(
 GREEDY = SamplingParams(temperature=0.0)
 # Four KV heads (TP up to 4) and a vocabulary no TP size divides: the padded rows are exercised.
 CONFIG = TransformerConfig(
-    vocab_size=1001, hidden_size=64, intermediate_size=128, num_layers=2,
-    num_heads=8, num_kv_heads=4, head_dim=16, max_position_embeddings=256,
+    vocab_size=1001,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=16,
+    max_position_embeddings=256,
 )
 
 
@@ -91,8 +98,11 @@ def test_mesh_rows_are_replicas_and_impossible_layouts_are_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size must be positive"):
         ParallelConfig(tensor_parallel_size=0)
     two_kv_heads = TransformerConfig(**{**CONFIG.__dict__, "num_heads": 4, "num_kv_heads": 2})
-    with pytest.raises(ValueError, match=r"does not divide the model's num_kv_heads \(2\).*replicating KV heads"
-                       r".*not supported.*in \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not divide the model's num_kv_heads \(2\).*replicating KV heads"
+        r".*not supported.*in \[1, 2\]",
+    ):
         init_random_model(two_kv_heads, mesh=tp_mesh(4))
     odd_mlp = TransformerConfig(**{**CONFIG.__dict__, "intermediate_size": 130})
     with pytest.raises(ValueError, match=r"does not divide the model's intermediate_size \(130\).*in \[1, 2\]"):
@@ -130,9 +140,11 @@ def two_step_logits(model, config) -> np.ndarray:
     """Prefill chunks, then the rest of each prompt (a chunk and a decode) on the cache the first step wrote."""
     prompts = random_prompts(config.vocab_size, [14, 9, 21], seed=3)
     first, second = [8, 8, 21], [6, 1, 0]
-    common = dict(block_size=4, num_blocks=24, blocks_per_req=6, num_tokens=40, num_reqs=4)
-    md1, pos1 = packed_metadata(first, **common)
-    md2, pos2 = packed_metadata([14, 9, 21], second, **common)
+    metadata = functools.partial(
+        packed_metadata, block_size=4, num_blocks=24, blocks_per_req=6, num_tokens=40, num_reqs=4
+    )
+    md1, pos1 = metadata(first)
+    md2, pos2 = metadata([14, 9, 21], second)
     step = jitted_step(model)
     caches = jax.device_put(random_caches(config, jnp.float32, 4), kv_cache_sharding(model.mesh))
     logits1, caches = step(pack([p[:n] for p, n in zip(prompts, first)], 40), jnp.asarray(pos1), caches, md1)
@@ -181,24 +193,29 @@ def run_greedy(runner, prompts) -> dict[str, list[int]]:
     return scheduler.run()
 
 
-RUNNER_SHAPE = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=[8, 32], request_buckets=[4])
+def small_runner(model, mesh=None):
+    """The runner the greedy tensor-parallel tests share."""
+    return make_runner(
+        model, mesh=mesh, max_num_seqs=4, max_num_batched_tokens=32, token_buckets=[8, 32], request_buckets=[4]
+    )
 
 
 @pytest.fixture(scope="module")
 def unsharded_greedy():
-    return run_greedy(make_runner(init_random_model(CONFIG, seed=1), **RUNNER_SHAPE), GREEDY_PROMPTS)
+    return run_greedy(small_runner(init_random_model(CONFIG, seed=1)), GREEDY_PROMPTS)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_runner_greedy_equals_unsharded_with_no_compile_after_capture(tp, unsharded_greedy):
     mesh = tp_mesh(tp)
-    runner = make_runner(init_random_model(CONFIG, seed=1, mesh=mesh), mesh=mesh, **RUNNER_SHAPE)
+    runner = small_runner(init_random_model(CONFIG, seed=1, mesh=mesh), mesh)
     runner.capture_model()
     compiled = CompileCounter.count()
     assert run_greedy(runner, GREEDY_PROMPTS) == unsharded_greedy
     assert CompileCounter.count() == compiled
+    assert runner.kv_caches is not None
     k_cache = runner.kv_caches[0][0]
-    assert k_cache.sharding.spec == P(None, None, MODEL_AXIS, None)
+    assert isinstance(k_cache.sharding, NamedSharding) and k_cache.sharding.spec == P(None, None, MODEL_AXIS, None)
     assert {s.data.shape[2] for s in k_cache.addressable_shards} == {CONFIG.num_kv_heads // tp}
     # Each device holds 1/TP of every block, so a per-device budget buys TP times the blocks.
     per_device = runner.kv_cache_spec.per_device(tp).bytes_per_block
@@ -212,10 +229,18 @@ def test_data_parallel_replicas_equal_one_device(tmp_path):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, n).tolist() for n in (5, 70, 33, 16, 1, 48, 27, 64)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-    shape = dict(max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=64, token_buckets=[64],
-                 request_buckets=[4], compilation_cache_dir=str(tmp_path))
-    single = LLM("tiny-llama", **shape).generate(prompts, params, use_tqdm=False)
-    llm = LLM("tiny-llama", tensor_parallel_size=2, data_parallel_size=2, **shape)
+    tiny_llm = functools.partial(
+        LLM,
+        "tiny-llama",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=64,
+        token_buckets=[64],
+        request_buckets=[4],
+        compilation_cache_dir=str(tmp_path),
+    )
+    single = tiny_llm().generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(tensor_parallel_size=2, data_parallel_size=2)
     engines = llm.replicas.engines
     assert len({d for e in engines for d in e.runner.mesh.devices.flat}) == 4
     compiled = CompileCounter.count()
@@ -259,18 +284,34 @@ def test_two_processes_share_one_tensor_parallel_model(tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "XDG_CACHE_HOME": str(tmp_path),
-           "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "XDG_CACHE_HOME": str(tmp_path),
+        "JAX_PLATFORMS": "cpu",
+    }
     prompts = ["Hi", "Hello there"]
-    shape = dict(max_num_seqs=2, max_num_batched_tokens=16, token_buckets=[16], request_buckets=[2],
-                 num_gpu_blocks_override=16)
+    # The same engine shape as CLI flags and as LLM's keywords.
+    shape: dict[str, Any] = dict(
+        max_num_seqs=2, max_num_batched_tokens=16, token_buckets=[16], request_buckets=[2], num_gpu_blocks_override=16
+    )
     flags = [f"--{k.replace('_', '-')}={v[0] if isinstance(v, list) else v}" for k, v in shape.items()]
     command = ["generate", "--max-tokens=4", "--tensor-parallel-size=2", *flags, *(f"--prompt={p}" for p in prompts)]
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "jaxrunner.launch", f"--coordinator-address=localhost:{port}",
-             "--num-processes=2", f"--process-id={i}", *command],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "jaxrunner.launch",
+                f"--coordinator-address=localhost:{port}",
+                "--num-processes=2",
+                f"--process-id={i}",
+                *command,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for i in range(2)
     ]

@@ -1,14 +1,14 @@
 """Speculative decoding through the engine: greedy equivalence, acceptance, no recompiles."""
 
 import numpy as np
-import transformers
 import pytest
-
+import transformers
 from hf_models import save_tiny_hf_model
-from jaxrunner.runner.compilation import CompileCounter
-from jaxrunner.interfaces import SamplingParams
+
 from jaxrunner.engine.llm import LLM
+from jaxrunner.interfaces import SamplingParams
 from jaxrunner.models import TransformerConfig
+from jaxrunner.runner.compilation import CompileCounter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -19,9 +19,16 @@ def cache_dir(tmp_path_factory):
 
 
 def make_llm(cache_dir, spec: bool):
-    return LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=200,
-               token_buckets=[8, 16, 32, 64], request_buckets=[2, 4], compilation_cache_dir=cache_dir,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None)
+    return LLM(
+        "tiny-llama",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=200,
+        token_buckets=[8, 16, 32, 64],
+        request_buckets=[2, 4],
+        compilation_cache_dir=cache_dir,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None,
+    )
 
 
 def prompts():
@@ -57,7 +64,7 @@ def test_seeded_sampling_with_speculation_is_reproducible_and_within_limits(cach
 def test_logprobs_with_speculation_are_refused_per_request(cache_dir):
     llm = make_llm(cache_dir, spec=True)
     out = llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(logprobs=2), GREEDY], use_tqdm=False)
-    assert "speculative" in out[0].error and out[1].error is None
+    assert out[0].error is not None and "speculative" in out[0].error and out[1].error is None
 
 
 def test_draft_model_greedy_equals_no_speculation(cache_dir, tmp_path):
@@ -66,9 +73,16 @@ def test_draft_model_greedy_equals_no_speculation(cache_dir, tmp_path):
     # The built-in draft has the target's own weights (perfect drafts); the saved one is another model.
     save_tiny_hf_model("llama", tmp_path, seed=2, vocab_size=320, num_hidden_layers=1)
     for draft, perfect in (("tiny-llama", True), (str(tmp_path), False)):
-        llm = LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=200,
-                  token_buckets=[8, 16, 32, 64], request_buckets=[2, 4], compilation_cache_dir=cache_dir,
-                  speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": draft})
+        llm = LLM(
+            "tiny-llama",
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            num_gpu_blocks_override=200,
+            token_buckets=[8, 16, 32, 64],
+            request_buckets=[2, 4],
+            compilation_cache_dir=cache_dir,
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": draft},
+        )
         compiled = CompileCounter.count()
         out = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
         assert out == plain
@@ -83,21 +97,28 @@ def test_draft_model_greedy_equals_no_speculation(cache_dir, tmp_path):
 
 def save_tiny_eagle_head(path, seed: int = 0) -> None:
     """A random EAGLE head for the built-in tiny model, saved as an HF-style checkpoint."""
+    from flax import nnx
     from safetensors.numpy import save_file
 
     from jaxrunner.models.builtin import BUILTIN_MODELS
-    from jaxrunner.models.eagle import init_random_eagle_head
+    from jaxrunner.models.eagle import EagleHead
     from jaxrunner.models.loader import hf_tensors
 
     target = BUILTIN_MODELS["tiny-llama"]
     hf_config = transformers.LlamaConfig(
-        vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=target.num_heads, num_key_value_heads=target.num_kv_heads,
-        head_dim=target.head_dim, max_position_embeddings=target.max_position_embeddings,
-        rms_norm_eps=target.rms_norm_eps, architectures=["EagleLlamaForCausalLM"],
+        vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=target.num_heads,
+        num_key_value_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        max_position_embeddings=target.max_position_embeddings,
+        rms_norm_eps=target.rms_norm_eps,
+        architectures=["EagleLlamaForCausalLM"],
     )
     hf_config.save_pretrained(path)
-    head = init_random_eagle_head(TransformerConfig.from_hf(hf_config), seed=seed)
+    head = EagleHead(TransformerConfig.from_hf(hf_config), rngs=nnx.Rngs(seed))
     save_file(hf_tensors(head), str(path / "model.safetensors"))
 
 
@@ -105,9 +126,16 @@ def test_eagle_head_greedy_equals_no_speculation(cache_dir, tmp_path):
     batch = prompts()
     plain = [o.outputs[0].token_ids for o in make_llm(cache_dir, spec=False).generate(batch, GREEDY, use_tqdm=False)]
     save_tiny_eagle_head(tmp_path)
-    llm = LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=200,
-              token_buckets=[8, 16, 32, 64], request_buckets=[2, 4], compilation_cache_dir=cache_dir,
-              speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path)})
+    llm = LLM(
+        "tiny-llama",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=200,
+        token_buckets=[8, 16, 32, 64],
+        request_buckets=[2, 4],
+        compilation_cache_dir=cache_dir,
+        speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path)},
+    )
     compiled = CompileCounter.count()
     out = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
     assert out == plain

@@ -58,15 +58,11 @@ class SampleRows:
     @classmethod
     def abstract(cls, max_num_reqs: int, num_spec: int) -> SampleRows:
         """Shapes and dtypes of the rows, for lowering the sampling programs."""
-        i32 = lambda *shape: jax.ShapeDtypeStruct((max_num_reqs, *shape), jnp.int32)
-        return cls(
-            idx_mapping=i32(),
-            num_scheduled=i32(),
-            num_drafts=i32(),
-            draft_tokens=i32(num_spec),
-            positions=i32(num_spec + 1),
-            is_sampling=jax.ShapeDtypeStruct((max_num_reqs,), jnp.bool_),
-        )
+        i32 = lambda *shape: jnp.zeros((max_num_reqs, *shape), jnp.int32)
+        return jax.eval_shape(lambda: cls(
+            idx_mapping=i32(), num_scheduled=i32(), num_drafts=i32(), draft_tokens=i32(num_spec),
+            positions=i32(num_spec + 1), is_sampling=jnp.zeros(max_num_reqs, jnp.bool_),
+        ))
 
 
 @dataclasses.dataclass

@@ -41,7 +41,9 @@ class KVCacheSpec:
         """What one device holds of every block when the KV heads are split over ``tensor_parallel_size``."""
         return dataclasses.replace(self, num_kv_heads=self.num_kv_heads // tensor_parallel_size)
 
-    def abstract(self, num_blocks: int, sharding: jax.sharding.Sharding | None = None) -> KVCaches:
+    def abstract(
+        self, num_blocks: int, sharding: jax.sharding.Sharding | None = None
+    ) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
         """Shape-only stand-ins, for ahead-of-time compilation."""
         s = jax.ShapeDtypeStruct(self.block_shape(num_blocks), self.dtype, sharding=sharding)
         return [(s, s) for _ in range(self.num_layers)]

@@ -20,10 +20,10 @@ def num_words(vocab_size: int) -> int:
 
 
 def apply_token_bitmask(
-    logits: Float[Array, "n V"],
-    bitmask: Int[Array, "n W"],
-    active: Bool[Array, "n"],
-) -> Float[Array, "n V"]:
+    logits: Float[Array, "num_rows vocab_size"],
+    bitmask: Int[Array, "num_rows bitmask_words"],
+    active: Bool[Array, " num_rows"],
+) -> Float[Array, "num_rows vocab_size"]:
     """Set to -inf the logits of tokens whose bit is cleared, in active rows only.
 
     Bits past V (the last word's padding) are ignored; inactive rows are untouched.
@@ -32,7 +32,9 @@ def apply_token_bitmask(
     return jnp.where(active[:, None] & ~allowed, -jnp.inf, logits)
 
 
-def bitmask_to_bool(bitmask: Int[Array, "n W"], vocab_size: int) -> Bool[Array, "n V"]:
+def bitmask_to_bool(
+    bitmask: Int[Array, "num_rows bitmask_words"], vocab_size: int
+) -> Bool[Array, "num_rows vocab_size"]:
     """Device side: the set bits as a boolean mask over the first ``vocab_size`` tokens."""
     bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # & 1: sign-safe
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(jnp.bool_)
@@ -49,14 +51,7 @@ def pack_token_ids(token_ids: Iterable[int], vocab_size: int) -> np.ndarray:
     return words.astype(np.uint32).view(np.int32)
 
 
-def unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Host side: bool[..., V] from int32[..., ceil(V/32)] bitmask words."""
-    words = np.asarray(words, dtype=np.int32).view(np.uint32)
-    bits = (words[..., None] >> np.arange(32, dtype=np.uint32)) & 1
-    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].astype(bool)
-
-
-def pack_bool_rows(mask: Bool[Array, "n V"]) -> Int[Array, "n W"]:
+def pack_bool_rows(mask: Bool[Array, "num_rows vocab_size"]) -> Int[Array, "num_rows bitmask_words"]:
     """Bit ``v % 32`` of word ``v // 32`` set where ``mask[:, v]``."""
     n, vocab = mask.shape
     words = num_words(vocab)

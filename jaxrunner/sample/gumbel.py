@@ -2,7 +2,7 @@
 
 The noise for a token is a pure function of the request's seed, the token's
 position and its id, so a seeded request samples the same tokens alone or in
-any batch, at any bucket, on any device (vLLM's scheme; FACTS.md has the
+any batch, at any bucket, on any device (vLLM's scheme; tests/test_sampler.py checks
 known-answer vectors).
 """
 

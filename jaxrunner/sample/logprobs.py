@@ -14,15 +14,15 @@ from jaxtyping import Array, Float, Int
 class LogprobsTensors:
     """Per row: column 0 is the chosen token, columns 1.. the top-``max_logprobs``."""
 
-    token_ids: Int[Array, "n k1"]
-    logprobs: Float[Array, "n k1"]
-    ranks: Int[Array, "n"]  # how many tokens score >= the chosen one
+    token_ids: Int[Array, "num_rows max_logprobs_plus_1"]
+    logprobs: Float[Array, "num_rows max_logprobs_plus_1"]
+    ranks: Int[Array, " num_rows"]  # how many tokens score >= the chosen one
 
 
 def compute_logprobs(
-    values: Float[Array, "n V"],
-    chosen: Int[Array, "n"],
-    num_logprobs: Int[Array, "n"],
+    values: Float[Array, "num_rows vocab_size"],
+    chosen: Int[Array, " num_rows"],
+    num_logprobs: Int[Array, " num_rows"],
     max_logprobs: int,
     normalize: bool = True,
 ) -> LogprobsTensors:

@@ -36,14 +36,14 @@ def _at(x: Array, index: Int[Array, "*batch"]) -> Array:
 
 
 def _accepted(
-    logits: Float[Array, "R K V"],
-    drafts: Int[Array, "R K"],
-    draft_probs: Float[Array, "R K V"] | None,
-    is_greedy: Bool[Array, "R"],
-    seed_lo: UInt32[Array, "R"],
-    seed_hi: UInt32[Array, "R"],
-    positions: UInt32[Array, "R K"],
-) -> Bool[Array, "R K"]:
+    logits: Float[Array, "num_rows num_spec vocab_size"],
+    drafts: Int[Array, "num_rows num_spec"],
+    draft_probs: Float[Array, "num_rows num_spec vocab_size"] | None,
+    is_greedy: Bool[Array, " num_rows"],
+    seed_lo: UInt32[Array, " num_rows"],
+    seed_hi: UInt32[Array, " num_rows"],
+    positions: UInt32[Array, "num_rows num_spec"],
+) -> Bool[Array, "num_rows num_spec"]:
     """Whether each draft passes its own row's test, regardless of the drafts before it.
 
     Greedy rows: the draft is the argmax. Random rows: ``p(x) / q(x) >= u``,
@@ -59,8 +59,10 @@ def _accepted(
 
 
 def _residual_scores(
-    logits: Float[Array, "R V"], draft: Int[Array, "R"], q: Float[Array, "R V"] | None
-) -> Float[Array, "R V"]:
+    logits: Float[Array, "num_rows vocab_size"],
+    draft: Int[Array, " num_rows"],
+    q: Float[Array, "num_rows vocab_size"] | None,
+) -> Float[Array, "num_rows vocab_size"]:
     """Log-weights, up to a per-row constant, of the residual ``max(p - q, 0)``.
 
     With q one-hot at the draft that residual is p without the draft token, so
@@ -72,15 +74,15 @@ def _residual_scores(
 
 
 def rejection_sample(
-    target_logits: Float[Array, "R K1 V"],
-    draft_tokens: Int[Array, "R K"],
-    num_drafts: Int[Array, "R"],
-    draft_probs: Float[Array, "R K V"] | None,
-    is_greedy: Bool[Array, "R"],
-    seed_lo: UInt32[Array, "R"],
-    seed_hi: UInt32[Array, "R"],
-    positions: Int[Array, "R K1"],
-) -> tuple[Int[Array, "R K1"], Int[Array, "R"]]:
+    target_logits: Float[Array, "num_rows num_spec_plus_1 vocab_size"],
+    draft_tokens: Int[Array, "num_rows num_spec"],
+    num_drafts: Int[Array, " num_rows"],
+    draft_probs: Float[Array, "num_rows num_spec vocab_size"] | None,
+    is_greedy: Bool[Array, " num_rows"],
+    seed_lo: UInt32[Array, " num_rows"],
+    seed_hi: UInt32[Array, " num_rows"],
+    positions: Int[Array, "num_rows num_spec_plus_1"],
+) -> tuple[Int[Array, "num_rows num_spec_plus_1"], Int[Array, " num_rows"]]:
     """Verify each request's first ``num_drafts`` drafts; return its output tokens and count.
 
     ``target_logits`` row j scores the token after draft j - 1 (row 0: after
@@ -109,7 +111,7 @@ def rejection_sample(
     last_logits = logits[rows, num_accepted]
     greedy_tokens = jnp.argmax(last_logits, axis=-1)
 
-    def add_noise(_: None) -> Int[Array, "R"]:
+    def add_noise(_: None) -> Int[Array, " num_rows"]:
         rejected_at = jnp.minimum(num_accepted, k - 1)
         residual = _residual_scores(last_logits, drafts[rows, rejected_at], None if q is None else q[rows, rejected_at])
         # p == q up to rounding can leave no residual mass: sample from p then.

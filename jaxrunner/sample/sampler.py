@@ -35,7 +35,7 @@ from jaxrunner.sample.logprobs import LogprobsTensors, compute_logprobs, no_logp
 from jaxrunner.sample.sampling_state import SamplingArrays
 from jaxrunner.sample.top_k_top_p import apply_top_k_top_p
 
-Logits = Float[Array, "n V"]
+Logits = Float[Array, "num_rows vocab_size"]
 
 
 @jax.tree_util.register_dataclass
@@ -43,7 +43,7 @@ Logits = Float[Array, "n V"]
 class SamplerOutput:
     """What the sampling step returns: one token per row and its logprobs."""
 
-    sampled_token_ids: Int[Array, "n"]
+    sampled_token_ids: Int[Array, " num_rows"]
     logprobs: LogprobsTensors
 
 
@@ -55,22 +55,31 @@ def _when(flag: Bool[Array, ""], stage: Callable[[Logits], Logits], logits: Logi
 _NEUTRAL_FILL = {"top_p": 1, "repetition": 1, "stop_ids": -1, "bias_ids": -1, "bad_words": -1}
 
 
-def _rows(sampling: SamplingArrays, idx: Int[Array, "n"]) -> SamplingArrays:
+def _rows(sampling: SamplingArrays, idx: Int[Array, " num_rows"]) -> SamplingArrays:
     """The batch's rows of every sampling array; padding rows are greedy and neutral."""
-    return SamplingArrays(**{
-        field.name: getattr(sampling, field.name).at[idx].get(mode="fill", fill_value=_NEUTRAL_FILL.get(field.name, 0))
-        for field in dataclasses.fields(sampling)
-    })
+    return SamplingArrays(
+        **{
+            field.name: getattr(sampling, field.name)
+            .at[idx]
+            .get(mode="fill", fill_value=_NEUTRAL_FILL.get(field.name, 0))
+            for field in dataclasses.fields(sampling)
+        }
+    )
 
 
-def _history(token_ids: Int[Array, "R L"], idx: Int[Array, "n"], positions: Int[Array, "n"], length: int):
+def _history(
+    token_ids: Int[Array, "max_reqs max_model_len"],
+    idx: Int[Array, " num_rows"],
+    positions: Int[Array, " num_rows"],
+    length: int,
+):
     """The ``length`` tokens up to and including each row's last input token; -1 before position 0."""
     pos = positions[:, None] - jnp.arange(length - 1, -1, -1)[None, :]
     tokens = token_ids.at[idx[:, None], jnp.maximum(pos, 0)].get(mode="fill", fill_value=-1)
     return jnp.where(pos >= 0, tokens, -1)
 
 
-def stage_rows(s: SamplingArrays, positions: Int[Array, "n"]) -> dict[str, Bool[Array, "n"]]:
+def stage_rows(s: SamplingArrays, positions: Int[Array, " num_rows"]) -> dict[str, Bool[Array, " num_rows"]]:
     """Per stage before the draw (the grammar's aside), the rows it acts on; a stage runs when any does.
 
     ``uses_sampling_stages`` is the host's reading of the same predicates.
@@ -92,22 +101,18 @@ def stage_rows(s: SamplingArrays, positions: Int[Array, "n"]) -> dict[str, Bool[
 def process_logits(
     logits: Logits,
     s: SamplingArrays,
-    rows: dict[str, Bool[Array, "n"]],
-    history: Int[Array, "n H"],
-    grammar_bitmask: Int[Array, "n W"],
-    grammar_active: Bool[Array, "n"],
+    rows: dict[str, Bool[Array, " num_rows"]],
+    history: Int[Array, "num_rows history_len"],
+    grammar_bitmask: Int[Array, "num_rows bitmask_words"],
+    grammar_active: Bool[Array, " num_rows"],
 ) -> Logits:
     """The stages before temperature; ``s`` holds the batch's rows, ``rows`` is ``stage_rows(s, ...)``."""
     logits = _when(
         jnp.any(rows["allowed_token_ids"]), lambda x: apply_token_bitmask(x, s.allowed, s.has_allowed), logits
     )
-    logits = _when(
-        jnp.any(grammar_active), lambda x: apply_token_bitmask(x, grammar_bitmask, grammar_active), logits
-    )
+    logits = _when(jnp.any(grammar_active), lambda x: apply_token_bitmask(x, grammar_bitmask, grammar_active), logits)
     logits = _when(jnp.any(rows["logit_bias"]), lambda x: apply_logit_bias(x, s.bias_ids, s.bias_values), logits)
-    logits = _when(
-        jnp.any(rows["min_tokens"]), lambda x: apply_min_tokens(x, s.stop_ids, rows["min_tokens"]), logits
-    )
+    logits = _when(jnp.any(rows["min_tokens"]), lambda x: apply_min_tokens(x, s.stop_ids, rows["min_tokens"]), logits)
     logits = _when(
         jnp.any(rows["penalties"]),
         lambda x: apply_penalties(x, s.prompt_bitmask, s.output_counts, s.repetition, s.frequency, s.presence),
@@ -124,18 +129,18 @@ class PreparedLogits:
     raw: Logits  # float32 model logits
     processed: Logits  # after the processors; greedy rows take its argmax
     tempered: Logits  # processed / temperature, min-p, top-k and top-p applied
-    is_greedy: Bool[Array, "n"]
+    is_greedy: Bool[Array, " num_rows"]
     rows: SamplingArrays  # the batch's rows of the sampling state
 
 
 def prepare_logits(
     logits: Logits,
     sampling: SamplingArrays,
-    token_ids: Int[Array, "R L"],
-    idx_mapping: Int[Array, "n"],
-    positions: Int[Array, "n"],
-    grammar_bitmask: Int[Array, "n W"],
-    grammar_active: Bool[Array, "n"],
+    token_ids: Int[Array, "max_reqs max_model_len"],
+    idx_mapping: Int[Array, " num_rows"],
+    positions: Int[Array, " num_rows"],
+    grammar_bitmask: Int[Array, "num_rows bitmask_words"],
+    grammar_active: Bool[Array, " num_rows"],
 ) -> PreparedLogits:
     """Row i uses the state of request slot ``idx_mapping[i]``; ``positions`` is its last input's."""
     raw = logits.astype(jnp.float32)
@@ -159,11 +164,11 @@ def prepare_logits(
     return PreparedLogits(raw, processed, tempered, is_greedy, s)
 
 
-def _temper(logits: Logits, is_greedy: Bool[Array, "n"], temperature: Float[Array, "n"]) -> Logits:
+def _temper(logits: Logits, is_greedy: Bool[Array, " num_rows"], temperature: Float[Array, " num_rows"]) -> Logits:
     return logits / jnp.where(is_greedy, 1.0, temperature)[:, None]
 
 
-def plain_logits(logits: Logits, sampling: SamplingArrays, idx_mapping: Int[Array, "n"]) -> PreparedLogits:
+def plain_logits(logits: Logits, sampling: SamplingArrays, idx_mapping: Int[Array, " num_rows"]) -> PreparedLogits:
     """``prepare_logits`` for a batch that uses no stage before the draw: temperature alone."""
     raw = logits.astype(jnp.float32)
     s = _rows(sampling, idx_mapping)
@@ -171,7 +176,9 @@ def plain_logits(logits: Logits, sampling: SamplingArrays, idx_mapping: Int[Arra
     return PreparedLogits(raw, raw, _temper(raw, is_greedy, s.temperature), is_greedy, s)
 
 
-def draw(prepared: PreparedLogits, positions: Int[Array, "n"], *, conditional: bool = True) -> Int[Array, "n"]:
+def draw(
+    prepared: PreparedLogits, positions: Int[Array, " num_rows"], *, conditional: bool = True
+) -> Int[Array, " num_rows"]:
     """Argmax for greedy rows; seeded Gumbel-max over the tempered logits for the others.
 
     The noise is computed only when some row is random (``conditional``), or
@@ -180,7 +187,7 @@ def draw(prepared: PreparedLogits, positions: Int[Array, "n"], *, conditional: b
     s = prepared.rows
     greedy_tokens = jnp.argmax(prepared.processed, axis=-1)
 
-    def add_noise(_: None) -> Int[Array, "n"]:
+    def add_noise(_: None) -> Int[Array, " num_rows"]:
         vocab_ids = jnp.arange(prepared.raw.shape[-1], dtype=jnp.uint32)[None, :]
         hashes = murmur3_hash32(
             s.seed_lo[:, None], s.seed_hi[:, None], positions.astype(jnp.uint32)[:, None], vocab_ids
@@ -197,11 +204,11 @@ def draw(prepared: PreparedLogits, positions: Int[Array, "n"], *, conditional: b
 def sample(
     logits: Logits,
     sampling: SamplingArrays,
-    token_ids: Int[Array, "R L"],
-    idx_mapping: Int[Array, "n"],
-    positions: Int[Array, "n"],
-    grammar_bitmask: Int[Array, "n W"],
-    grammar_active: Bool[Array, "n"],
+    token_ids: Int[Array, "max_reqs max_model_len"],
+    idx_mapping: Int[Array, " num_rows"],
+    positions: Int[Array, " num_rows"],
+    grammar_bitmask: Int[Array, "num_rows bitmask_words"],
+    grammar_active: Bool[Array, " num_rows"],
     *,
     max_logprobs: int,
     logprobs_mode: str,

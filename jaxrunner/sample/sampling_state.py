@@ -22,17 +22,29 @@ from jaxrunner.sample.bitmask import num_words as bitmask_words
 from jaxrunner.sample.bitmask import pack_bool_rows, pack_token_ids
 from jaxrunner.sample.gumbel import split_seed
 
+SamplingFields = dict[str, float | np.ndarray]
+"""One request's sampling parameters packed for the device, by field name (``sampling_fields``)."""
+
 
 def sampling_fields(config: SamplerConfig, vocab_size: int) -> tuple[tuple[str, int, str], ...]:
     """The packed-row fields of one request's sampling parameters."""
     return (
-        ("temperature", 1, "f32"), ("top_k", 1, "i32"), ("top_p", 1, "f32"), ("min_p", 1, "f32"),
-        ("seed_lo", 1, "u32"), ("seed_hi", 1, "u32"),
-        ("repetition", 1, "f32"), ("frequency", 1, "f32"), ("presence", 1, "f32"),
-        ("min_tokens", 1, "i32"), ("stop_ids", config.max_stop_token_ids, "i32"),
-        ("bias_ids", config.max_logit_bias, "i32"), ("bias_values", config.max_logit_bias, "f32"),
+        ("temperature", 1, "f32"),
+        ("top_k", 1, "i32"),
+        ("top_p", 1, "f32"),
+        ("min_p", 1, "f32"),
+        ("seed_lo", 1, "u32"),
+        ("seed_hi", 1, "u32"),
+        ("repetition", 1, "f32"),
+        ("frequency", 1, "f32"),
+        ("presence", 1, "f32"),
+        ("min_tokens", 1, "i32"),
+        ("stop_ids", config.max_stop_token_ids, "i32"),
+        ("bias_ids", config.max_logit_bias, "i32"),
+        ("bias_values", config.max_logit_bias, "f32"),
         ("bad_words", config.max_bad_words * config.max_bad_word_len, "i32"),
-        ("has_allowed", 1, "i32"), ("allowed", bitmask_words(vocab_size), "i32"),
+        ("has_allowed", 1, "i32"),
+        ("allowed", bitmask_words(vocab_size), "i32"),
         ("num_logprobs", 1, "i32"),
     )
 
@@ -42,26 +54,26 @@ def sampling_fields(config: SamplerConfig, vocab_size: int) -> tuple[tuple[str, 
 class SamplingArrays:
     """Sampling state, one row per request slot. Greedy rows have temperature 0."""
 
-    temperature: Float[Array, "R"]
-    top_k: Int[Array, "R"]
-    top_p: Float[Array, "R"]
-    min_p: Float[Array, "R"]
-    seed_lo: UInt32[Array, "R"]
-    seed_hi: UInt32[Array, "R"]
-    repetition: Float[Array, "R"]
-    frequency: Float[Array, "R"]
-    presence: Float[Array, "R"]
-    min_tokens: Int[Array, "R"]
-    stop_ids: Int[Array, "R S"]
-    bias_ids: Int[Array, "R K"]
-    bias_values: Float[Array, "R K"]
-    bad_words: Int[Array, "R B L"]
-    has_allowed: Bool[Array, "R"]
-    allowed: Int[Array, "R W"]
-    num_logprobs: Int[Array, "R"]  # 0: none, else 1 + top logprobs asked for
-    prompt_len: Int[Array, "R"]
-    prompt_bitmask: Int[Array, "R W"]
-    output_counts: Int[Array, "R V"]
+    temperature: Float[Array, " max_reqs"]
+    top_k: Int[Array, " max_reqs"]
+    top_p: Float[Array, " max_reqs"]
+    min_p: Float[Array, " max_reqs"]
+    seed_lo: UInt32[Array, " max_reqs"]
+    seed_hi: UInt32[Array, " max_reqs"]
+    repetition: Float[Array, " max_reqs"]
+    frequency: Float[Array, " max_reqs"]
+    presence: Float[Array, " max_reqs"]
+    min_tokens: Int[Array, " max_reqs"]
+    stop_ids: Int[Array, "max_reqs max_stop_token_ids"]
+    bias_ids: Int[Array, "max_reqs max_logit_bias"]
+    bias_values: Float[Array, "max_reqs max_logit_bias"]
+    bad_words: Int[Array, "max_reqs max_bad_words max_bad_word_len"]
+    has_allowed: Bool[Array, " max_reqs"]
+    allowed: Int[Array, "max_reqs bitmask_words"]
+    num_logprobs: Int[Array, " max_reqs"]  # 0: none, else 1 + top logprobs asked for
+    prompt_len: Int[Array, " max_reqs"]
+    prompt_bitmask: Int[Array, "max_reqs bitmask_words"]
+    output_counts: Int[Array, "max_reqs vocab_size"]
 
     @classmethod
     def zeros(cls, max_num_reqs: int, config: SamplerConfig, vocab_size: int) -> SamplingArrays:
@@ -70,23 +82,35 @@ class SamplingArrays:
         f32 = lambda *shape: jnp.zeros((r, *shape), jnp.float32)
         i32 = lambda *shape: jnp.zeros((r, *shape), jnp.int32)
         return cls(
-            temperature=f32(), top_k=i32(), top_p=f32() + 1, min_p=f32(),
-            seed_lo=jnp.zeros(r, jnp.uint32), seed_hi=jnp.zeros(r, jnp.uint32),
-            repetition=f32() + 1, frequency=f32(), presence=f32(),
-            min_tokens=i32(), stop_ids=i32(config.max_stop_token_ids) - 1,
-            bias_ids=i32(config.max_logit_bias) - 1, bias_values=f32(config.max_logit_bias),
+            temperature=f32(),
+            top_k=i32(),
+            top_p=f32() + 1,
+            min_p=f32(),
+            seed_lo=jnp.zeros(r, jnp.uint32),
+            seed_hi=jnp.zeros(r, jnp.uint32),
+            repetition=f32() + 1,
+            frequency=f32(),
+            presence=f32(),
+            min_tokens=i32(),
+            stop_ids=i32(config.max_stop_token_ids) - 1,
+            bias_ids=i32(config.max_logit_bias) - 1,
+            bias_values=f32(config.max_logit_bias),
             bad_words=i32(config.max_bad_words, config.max_bad_word_len) - 1,
-            has_allowed=jnp.zeros(r, jnp.bool_), allowed=i32(w), num_logprobs=i32(),
-            prompt_len=i32(), prompt_bitmask=i32(w), output_counts=i32(vocab_size),
+            has_allowed=jnp.zeros(r, jnp.bool_),
+            allowed=i32(w),
+            num_logprobs=i32(),
+            prompt_len=i32(),
+            prompt_bitmask=i32(w),
+            output_counts=i32(vocab_size),
         )
 
     def write_rows(
         self,
-        slots: Int[Array, "n"],
+        slots: Int[Array, " num_new_reqs"],
         fields: dict[str, Array],
-        tokens: Int[Array, "n L"],
-        prompt_len: Int[Array, "n"],
-        prefill_len: Int[Array, "n"],
+        tokens: Int[Array, "num_new_reqs max_model_len"],
+        prompt_len: Int[Array, " num_new_reqs"],
+        prefill_len: Int[Array, " num_new_reqs"],
     ) -> SamplingArrays:
         """Scatter new requests' parameters into ``slots`` (out of range: dropped).
 
@@ -97,9 +121,7 @@ class SamplingArrays:
         scalar = lambda name: fields[name][:, 0]
         set_rows = lambda old, new: old.at[slots].set(new.astype(old.dtype), mode="drop")
         vocab = self.output_counts.shape[1]
-        penalized = (
-            (scalar("repetition") != 1.0) | (scalar("frequency") != 0.0) | (scalar("presence") != 0.0)
-        )
+        penalized = (scalar("repetition") != 1.0) | (scalar("frequency") != 0.0) | (scalar("presence") != 0.0)
 
         def token_sets(_):
             pos = jnp.arange(tokens.shape[1])[None, :]
@@ -107,9 +129,7 @@ class SamplingArrays:
             in_prompt = (pos < prompt_len[:, None]) & penalized[:, None]
             in_output = (pos >= prompt_len[:, None]) & (pos < prefill_len[:, None]) & penalized[:, None]
             seen = jnp.zeros((tokens.shape[0], vocab), jnp.bool_).at[rows, tokens].max(in_prompt)
-            counts = jnp.zeros((tokens.shape[0], vocab), jnp.int32).at[rows, tokens].add(
-                in_output.astype(jnp.int32)
-            )
+            counts = jnp.zeros((tokens.shape[0], vocab), jnp.int32).at[rows, tokens].add(in_output.astype(jnp.int32))
             return pack_bool_rows(seen), counts
 
         def no_sets(_):
@@ -142,7 +162,7 @@ class SamplingArrays:
         )
 
     def record_sampled(
-        self, slots: Int[Array, "n"], tokens: Int[Array, "n"], is_sampling: Bool[Array, "n"]
+        self, slots: Int[Array, " num_rows"], tokens: Int[Array, " num_rows"], is_sampling: Bool[Array, " num_rows"]
     ) -> SamplingArrays:
         """Count each sampled token for the frequency and presence penalties."""
         rows = jnp.where(is_sampling, slots, self.output_counts.shape[0])
@@ -152,12 +172,12 @@ class SamplingArrays:
 
 def pack_sampling_params(
     params: SamplingParams, rng: random.Random, config: SamplerConfig, vocab_size: int
-) -> dict[str, object]:
+) -> SamplingFields:
     """Host-side field values of one request; checks the fixed capacities."""
     seed = params.seed if params.seed is not None else rng.getrandbits(64)
     lo, hi = split_seed(seed)
     greedy = params.greedy
-    stop_ids = list(params.all_stop_token_ids if params.all_stop_token_ids is not None else params.stop_token_ids)
+    stop_ids = list(params.all_stop_token_ids if params.all_stop_token_ids is not None else params.stop_token_ids or [])
     bias = dict(params.logit_bias or {})
     bad_words = [list(w) for w in (params.bad_words_token_ids or [])]
     _check_capacity("stop token ids (min_tokens)", len(stop_ids), config.max_stop_token_ids, "max_stop_token_ids")
@@ -168,11 +188,13 @@ def pack_sampling_params(
     check_logprobs_count("logprobs", params.logprobs, config)
     for token in [*stop_ids, *bias, *(t for w in bad_words for t in w), *(params.allowed_token_ids or [])]:
         if not 0 <= int(token) < vocab_size:
-            raise ValueError(f"Token id {token} in the sampling parameters is outside the vocabulary [0, {vocab_size}).")
+            raise ValueError(
+                f"Token id {token} in the sampling parameters is outside the vocabulary [0, {vocab_size})."
+            )
     bad = np.full((config.max_bad_words, config.max_bad_word_len), -1, np.int32)
     for i, word in enumerate(bad_words):
         if word:
-            bad[i, config.max_bad_word_len - len(word):] = word
+            bad[i, config.max_bad_word_len - len(word) :] = word
     allowed = params.allowed_token_ids
     if allowed is not None and not allowed:
         raise ValueError("SamplingParams.allowed_token_ids is empty; allow at least one token or pass None.")
@@ -181,7 +203,8 @@ def pack_sampling_params(
         "top_k": 0 if greedy else params.top_k,
         "top_p": 1.0 if greedy else params.top_p,
         "min_p": 0.0 if greedy else params.min_p,
-        "seed_lo": lo, "seed_hi": hi,
+        "seed_lo": lo,
+        "seed_hi": hi,
         "repetition": params.repetition_penalty,
         "frequency": params.frequency_penalty,
         "presence": params.presence_penalty,
@@ -197,7 +220,7 @@ def pack_sampling_params(
     }
 
 
-def uses_sampling_stages(fields: dict[str, object]) -> bool:
+def uses_sampling_stages(fields: SamplingFields) -> bool:
     """Whether a request's packed parameters (``pack_sampling_params``) turn on any stage before the draw.
 
     The host's reading of the predicates the sampling program tests on the
@@ -207,8 +230,12 @@ def uses_sampling_stages(fields: dict[str, object]) -> bool:
     """
     random_row = fields["temperature"] > 0
     return bool(
-        fields["has_allowed"] or np.any(fields["bias_ids"] >= 0) or fields["min_tokens"] > 0
-        or fields["repetition"] != 1.0 or fields["frequency"] != 0.0 or fields["presence"] != 0.0
+        fields["has_allowed"]
+        or np.any(fields["bias_ids"] >= 0)
+        or fields["min_tokens"] > 0
+        or fields["repetition"] != 1.0
+        or fields["frequency"] != 0.0
+        or fields["presence"] != 0.0
         or np.any(fields["bad_words"] >= 0)
         or (random_row and (fields["min_p"] > 0 or fields["top_k"] > 0 or fields["top_p"] < 1.0))
     )

@@ -37,9 +37,9 @@ def float_order_key(x: Float[Array, "*shape"]) -> UInt32[Array, "*shape"]:
 
 
 def _sums_at_or_above(
-    key: UInt32[Array, "n V"],
-    candidates: UInt32[Array, "n D"],
-    weight: Float[Array, "n V"] | None,
+    key: UInt32[Array, "num_rows vocab_size"],
+    candidates: UInt32[Array, "num_rows num_candidates"],
+    weight: Float[Array, "num_rows vocab_size"] | None,
 ) -> Array:
     """[n, D]: per row and candidate c, the count (``weight`` None) or the weight sum
     of the elements with key >= c. One variadic reduction over V, so a GPU reads
@@ -55,10 +55,10 @@ def _sums_at_or_above(
 
 
 def _largest_key_reaching(
-    key: UInt32[Array, "n V"],
+    key: UInt32[Array, "num_rows vocab_size"],
     target: Array,
-    weight: Float[Array, "n V"] | None = None,
-) -> UInt32[Array, "n"]:
+    weight: Float[Array, "num_rows vocab_size"] | None = None,
+) -> UInt32[Array, " num_rows"]:
     """Per row, the largest t with (sum of ``weight`` over key >= t) >= ``target``.
 
     ``weight`` None counts elements. Weights must be non-negative, so the sum
@@ -68,7 +68,7 @@ def _largest_key_reaching(
     """
     digits = jnp.arange(1, 1 << RADIX_BITS, dtype=jnp.uint32)
 
-    def fix_digit(step: Array, t: UInt32[Array, "n"]) -> UInt32[Array, "n"]:
+    def fix_digit(step: Array, t: UInt32[Array, " num_rows"]) -> UInt32[Array, " num_rows"]:
         shift = (32 - RADIX_BITS * (step + 1)).astype(jnp.uint32)
         above = _sums_at_or_above(key, t[:, None] | (digits << shift), weight)
         return t | (jnp.sum(above >= target[:, None], axis=-1, dtype=jnp.uint32) << shift)
@@ -77,10 +77,10 @@ def _largest_key_reaching(
 
 
 def apply_top_k_top_p(
-    logits: Float[Array, "n V"],
-    top_k: Int[Array, "n"],
-    top_p: Float[Array, "n"],
-) -> Float[Array, "n V"]:
+    logits: Float[Array, "num_rows vocab_size"],
+    top_k: Int[Array, " num_rows"],
+    top_p: Float[Array, " num_rows"],
+) -> Float[Array, "num_rows vocab_size"]:
     """Mask (to -inf) float32 logits outside the top-k, then outside the top-p nucleus.
 
     top_k 0 (or >= V) and top_p >= 1 are off; a row with both off is returned
@@ -95,13 +95,13 @@ def apply_top_k_top_p(
     uses_p = top_p < 1.0
     row_min = jnp.min(key, axis=-1)
 
-    def kth_largest(_: None) -> UInt32[Array, "n"]:
+    def kth_largest(_: None) -> UInt32[Array, " num_rows"]:
         k = jnp.where(uses_k, top_k, vocab)
         return _largest_key_reaching(key, k)
 
     kth = jax.lax.cond(jnp.any(uses_k), kth_largest, lambda _: row_min, None)
 
-    def nucleus_cutoff(_: None) -> UInt32[Array, "n"]:
+    def nucleus_cutoff(_: None) -> UInt32[Array, " num_rows"]:
         row_max = jnp.max(logits, axis=-1)
         mass = jnp.where(key >= kth[:, None], jnp.exp(logits - row_max[:, None]), 0.0)
         total = jnp.sum(mass, axis=-1)
