@@ -23,13 +23,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(
-                f"ModelConfig.dtype must be 'bfloat16', 'float16' or 'float32'; got {self.dtype!r}."
-            )
+            raise ValueError(f"ModelConfig.dtype must be 'bfloat16', 'float16' or 'float32'; got {self.dtype!r}.")
         if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(
-                f"ModelConfig.max_model_len must be positive; got {self.max_model_len}."
-            )
+            raise ValueError(f"ModelConfig.max_model_len must be positive; got {self.max_model_len}.")
 
 
 @dataclasses.dataclass
@@ -52,9 +48,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(
-                f"CacheConfig.block_size must be a power of two; got {self.block_size}."
-            )
+            raise ValueError(f"CacheConfig.block_size must be a power of two; got {self.block_size}.")
         if self.cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(
                 "CacheConfig.cache_dtype must be 'auto' (the model dtype), 'bfloat16', "
@@ -62,8 +56,7 @@ class CacheConfig:
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
-                "CacheConfig.gpu_memory_utilization must be in (0, 1]; "
-                f"got {self.gpu_memory_utilization}."
+                f"CacheConfig.gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}."
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ValueError(
@@ -102,15 +95,12 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.num_scheduler_steps < 1:
-            raise ValueError(
-                f"SchedulerConfig.num_scheduler_steps must be at least 1; got {self.num_scheduler_steps}."
-            )
+            raise ValueError(f"SchedulerConfig.num_scheduler_steps must be at least 1; got {self.num_scheduler_steps}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"SchedulerConfig.max_num_seqs must be positive; got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
-                "SchedulerConfig.max_num_batched_tokens must be positive; "
-                f"got {self.max_num_batched_tokens}."
+                f"SchedulerConfig.max_num_batched_tokens must be positive; got {self.max_num_batched_tokens}."
             )
 
     @property
@@ -242,9 +232,7 @@ class CompilationConfig:
         for name in ("token_buckets", "request_buckets"):
             ladder = getattr(self, name)
             if ladder is not None and (not ladder or any(b < 1 for b in ladder)):
-                raise ValueError(
-                    f"CompilationConfig.{name} must be a non-empty list of positive sizes; got {ladder}."
-                )
+                raise ValueError(f"CompilationConfig.{name} must be a non-empty list of positive sizes; got {ladder}.")
 
 
 @dataclasses.dataclass

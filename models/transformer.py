@@ -306,7 +306,14 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, kv_cache = write_and_attend(
-            q, k, v, kv_cache, metadata, mesh=self.mesh, backend=attention_backend, sm_scale=self.head_dim**-0.5,
+            q,
+            k,
+            v,
+            kv_cache,
+            metadata,
+            mesh=self.mesh,
+            backend=attention_backend,
+            sm_scale=self.head_dim**-0.5,
             sliding_window=self.sliding_window,
         )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv_cache
@@ -488,7 +495,12 @@ class CausalLM(nnx.Module):
         JAX's default devices); a runner passes the one it resolved for its mesh.
         """
         x, new_caches = run_layers(
-            self.model.layers, self.config, self.model.embed_tokens(input_ids), positions, kv_caches, metadata,
+            self.model.layers,
+            self.config,
+            self.model.embed_tokens(input_ids),
+            positions,
+            kv_caches,
+            metadata,
             attention_backend,
         )
         return self.model.norm(x), new_caches

@@ -1,4 +1,4 @@
-"""Device ops: paged KV-cache writes and ragged paged attention, each a Mosaic GPU kernel beside its pure-JAX reference."""
+"""Device ops: paged KV-cache writes and ragged paged attention, Mosaic GPU kernels beside pure-JAX references."""
 
 from jaxrunner.ops.attention import ragged_paged_attention
 from jaxrunner.ops.attention_backend import AttentionBackend

@@ -8,7 +8,7 @@ from jaxrunner.ops.attention_backend import AttentionBackend
 from jaxrunner.ops.kv_write_mgpu import Cache, NewKV, write_kv_mgpu
 
 
-def _scatter_slots(cache: Cache, new: NewKV, slot_mapping: Int[Array, "num_tokens"]) -> Cache:
+def _scatter_slots(cache: Cache, new: NewKV, slot_mapping: Int[Array, " num_tokens"]) -> Cache:
     """Store ``new[t]`` at slot ``slot_mapping[t]`` of ``cache``; slot -1 is dropped.
 
     The cache is viewed as ``[num_blocks * block_size, ...]`` (a free reshape), so a
@@ -28,7 +28,7 @@ def write_kv(
     v_cache: Cache,
     k_new: NewKV,
     v_new: NewKV,
-    slot_mapping: Int[Array, "num_tokens"],
+    slot_mapping: Int[Array, " num_tokens"],
     *,
     impl: str = "reference",
     interpret: bool | None = None,

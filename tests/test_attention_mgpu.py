@@ -215,8 +215,8 @@ def test_model_logits_through_the_kernel_match_the_reference_path(monkeypatch):
     from packed_batch import packed_metadata
     from test_model_parity import jitted_step, pack, random_prompts
 
-    from jaxrunner.models import TransformerConfig, init_random_model
     from jaxrunner.envs import ATTENTION_IMPL_ENV_VAR
+    from jaxrunner.models import TransformerConfig, init_random_model
 
     config = TransformerConfig(
         vocab_size=4096,

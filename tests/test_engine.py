@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
 from hf_models import save_tiny_hf_model
+
 from jaxrunner.cli import main as cli_main
-from jaxrunner.interfaces import SamplingParams
 from jaxrunner.engine.llm import LLM
+from jaxrunner.interfaces import SamplingParams
 from jaxrunner.models.tokenizer import build_byte_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -29,8 +29,13 @@ def make_llm(cache_dir):
     made = []
 
     def make(**overrides):
-        kwargs = dict(max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=200,
-                      compilation_cache_dir=cache_dir, **LADDERS)
+        kwargs = dict(
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            num_gpu_blocks_override=200,
+            compilation_cache_dir=cache_dir,
+            **LADDERS,
+        )
         llm = LLM("tiny-llama", **{**kwargs, **overrides})
         made.append(llm)
         return llm
@@ -59,8 +64,7 @@ def test_greedy_outputs_identical_across_caching_chunking_and_preemption(make_ll
     baseline = greedy_tokens(make_llm(enable_prefix_caching=False, async_scheduling=False), PROMPTS)
     assert greedy_tokens(make_llm(), PROMPTS + PROMPTS[:3])[: len(PROMPTS)] == baseline
     # No chunking: the budget must hold the longest prompt whole.
-    unchunked = make_llm(enable_chunked_prefill=False, max_num_batched_tokens=128,
-                         token_buckets=[8, 32, 64, 128])
+    unchunked = make_llm(enable_chunked_prefill=False, max_num_batched_tokens=128, token_buckets=[8, 32, 64, 128])
     assert greedy_tokens(unchunked, PROMPTS) == baseline
     # A cache far too small for the batch forces preemption by recompute.
     tight = make_llm(num_gpu_blocks_override=14, enable_prefix_caching=False)
@@ -112,7 +116,10 @@ def test_async_scheduling_overlaps_steps_and_changes_no_output(make_llm, monkeyp
     assert "DDR" in "".join(events)
     for want, have in zip(expected + expected_stopped, got + got_stopped):
         assert (have.token_ids, have.finish_reason, have.stop_reason) == (
-            want.token_ids, want.finish_reason, want.stop_reason)
+            want.token_ids,
+            want.finish_reason,
+            want.stop_reason,
+        )
     assert any(c.finish_reason == "stop" for c in got_stopped)
     assert overlapped.llm_engine.scheduler.num_preemptions > 0
     assert [len(c.token_ids) for c in got] == [p.max_tokens for p in sampled]
@@ -126,8 +133,11 @@ def test_multi_step_rounds_change_no_output(make_llm, monkeypatch):
     single steps while it runs."""
     prompts = PROMPTS[:10]
     sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=5 + 3 * i, ignore_eos=True) for i in range(10)]
-    mixed = [dataclasses.replace(sampled[0], stop_token_ids=[0]), dataclasses.replace(sampled[1], top_k=5),
-             *sampled[2:]]
+    mixed = [
+        dataclasses.replace(sampled[0], stop_token_ids=[0]),
+        dataclasses.replace(sampled[1], top_k=5),
+        *sampled[2:],
+    ]
     single = make_llm(num_gpu_blocks_override=24)
     expected = [greedy_tokens(single, prompts, params) for params in (sampled, mixed)]
 
@@ -137,7 +147,7 @@ def test_multi_step_rounds_change_no_output(make_llm, monkeypatch):
         rounds = []  # per dispatched round: its steps, and whether all its requests may take several
         execute = engine.runner.execute_model
 
-        def record(so):
+        def record(so, engine=engine, rounds=rounds, execute=execute):
             if so.total_num_scheduled_tokens:
                 eligible = all(engine.scheduler.requests[r].multi_step_ok for r in so.num_scheduled_tokens)
                 rounds.append((so.num_decode_steps, eligible))
@@ -190,16 +200,23 @@ def test_generate_matches_transformers_greedy_text(tmp_path, cache_dir):
     save_tiny_hf_model("llama", tmp_path, seed=4, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(tmp_path)
     texts = ["Hello there", "JAX on GPUs is fast", "a"]
-    llm = LLM(str(tmp_path), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
-              num_gpu_blocks_override=64, compilation_cache_dir=cache_dir, token_buckets=[8, 64],
-              request_buckets=[4])
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=64,
+        compilation_cache_dir=cache_dir,
+        token_buckets=[8, 64],
+        request_buckets=[4],
+    )
     ours = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     for text, output in zip(texts, ours):
         ids = tokenizer.encode(text)
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-        ref_ids = ref[0, len(ids):].tolist()
+        ref_ids = ref[0, len(ids) :].tolist()
         assert output.outputs[0].token_ids == ref_ids
         assert output.outputs[0].text == tokenizer.decode(ref_ids, skip_special_tokens=True)
 
@@ -233,22 +250,29 @@ def test_requests_that_could_never_run_are_refused(make_llm):
 def test_stop_strings_tokens_and_lengths(make_llm):
     llm = make_llm()
     prompt = "Once upon a time"
-    free_run = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0]
+    free_run = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     stop = free_run.text[5:8]
-    stopped = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop], ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0]
+    stopped = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop], ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
     assert stopped.text == free_run.text[: free_run.text.index(stop)]
     stop_id = free_run.token_ids[4]
-    by_token = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id],
-                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    by_token = llm.generate(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id], ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     first = free_run.token_ids.index(stop_id)
     assert by_token.token_ids == free_run.token_ids[: first + 1] and by_token.stop_reason == stop_id
     # min_tokens defers the stop token id.
-    deferred = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id],
-                                                   min_tokens=first + 2, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0]
+    deferred = llm.generate(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id], min_tokens=first + 2, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(deferred.token_ids) > first + 1
 
 
@@ -275,10 +299,14 @@ def test_n_samples_share_the_prompt_and_stream_deltas_add_up(make_llm):
 
 def test_chat_uses_the_template(make_llm):
     llm = make_llm()
-    reply = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0.0, max_tokens=5,
-                                                                          ignore_eos=True), use_tqdm=False)
-    expected = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Hi!"}],
-                                                       tokenize=True, add_generation_prompt=True)
+    reply = llm.chat(
+        [{"role": "user", "content": "Hi!"}],
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+        use_tqdm=False,
+    )
+    expected = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Hi!"}], tokenize=True, add_generation_prompt=True
+    )
     expected = list(expected["input_ids"]) if hasattr(expected, "keys") else list(expected)
     assert reply[0].prompt_token_ids == expected and len(reply[0].outputs[0].token_ids) == 5
 
@@ -289,8 +317,24 @@ def test_cli_generate_and_bench(tmp_path, capsys, cache_dir, monkeypatch):
     out = capsys.readouterr().out
     assert "'Hi' ->" in out and "tokens/s" in out
     result_path = tmp_path / "bench.json"
-    cli_main(["bench", "--num-prompts", "6", "--input-len", "20", "--output-len", "6", "--range-ratio", "0.5",
-              "--num-gpu-blocks-override", "64", "--quiet", "--output-json", str(result_path)])
+    cli_main(
+        [
+            "bench",
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "20",
+            "--output-len",
+            "6",
+            "--range-ratio",
+            "0.5",
+            "--num-gpu-blocks-override",
+            "64",
+            "--quiet",
+            "--output-json",
+            str(result_path),
+        ]
+    )
     result = json.loads(result_path.read_text())
     assert result["num_prompts"] == 6 and result["output_tokens_per_s"] > 0
     assert set(result["ttft_ms"]) == {"p50", "p90", "p99", "mean"}

@@ -10,9 +10,7 @@ import pytest
 from jaxrunner.engine.ngram_proposer import NgramProposer
 
 
-def reference_propose(
-    history: list[int], k: int, lo: int, hi: int, max_model_len: int | None
-) -> list[int]:
+def reference_propose(history: list[int], k: int, lo: int, hi: int, max_model_len: int | None) -> list[int]:
     """Brute force: longest n first, then the leftmost earlier start."""
     length = len(history)
     if max_model_len is not None:
@@ -114,7 +112,11 @@ def test_random_histories_match_reference():
         max_len = None if rng.random() < 0.5 else int(rng.integers(1, 50))
         got = NgramProposer(k, lo, hi, max_len).propose(np.array(history, dtype=np.int64))
         assert got == reference_propose(history, k, lo, hi, max_len), (
-            history, k, lo, hi, max_len,
+            history,
+            k,
+            lo,
+            hi,
+            max_len,
         )
 
 

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_models import save_tiny_hf_model
 from scipy import stats
 
-from hf_models import save_tiny_hf_model
 from jaxrunner.config import SamplerConfig
-from jaxrunner.interfaces import NewRequestData, SamplingParams
 from jaxrunner.engine.llm import LLM
+from jaxrunner.engine.structured_outputs import StructuredOutputsParams
+from jaxrunner.interfaces import NewRequestData, SamplingParams
+from jaxrunner.models.tokenizer import build_byte_tokenizer
+from jaxrunner.runner.states import DeviceState, RequestState, write_new_requests
 from jaxrunner.sample.sampler import sample, stage_rows
 from jaxrunner.sample.sampling_state import SamplingArrays, pack_sampling_params, uses_sampling_stages
-from jaxrunner.runner.states import DeviceState, RequestState, write_new_requests
-from jaxrunner.engine.structured_outputs import StructuredOutputsParams
-from jaxrunner.models.tokenizer import build_byte_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,16 @@ def hf_dir(tmp_path_factory):
 
 def test_logprobs_and_prompt_logprobs_match_transformers(hf_dir, cache_dir):
     """Chunked prefill (16-token budget) across a 45-token prompt; float32, 1e-4."""
-    llm = LLM(str(hf_dir), dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
-              num_gpu_blocks_override=32, token_buckets=[4, 16], request_buckets=[2],
-              compilation_cache_dir=cache_dir)
+    llm = LLM(
+        str(hf_dir),
+        dtype="float32",
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        num_gpu_blocks_override=32,
+        token_buckets=[4, 16],
+        request_buckets=[2],
+        compilation_cache_dir=cache_dir,
+    )
     prompt = list(np.random.default_rng(0).integers(3, 259, 45))
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
@@ -57,8 +64,12 @@ def test_logprobs_and_prompt_logprobs_match_transformers(hf_dir, cache_dir):
         top = np.argsort(-row)[:5]
         assert set(entry) >= set(top.tolist())
         np.testing.assert_allclose([entry[t].logprob for t in top], row[top], atol=1e-4)
-    assert abs(completion.cumulative_logprob - sum(ref[len(prompt) - 1 + i][t] for i, t in
-                                                   enumerate(completion.token_ids))) < 1e-3
+    assert (
+        abs(
+            completion.cumulative_logprob - sum(ref[len(prompt) - 1 + i][t] for i, t in enumerate(completion.token_ids))
+        )
+        < 1e-3
+    )
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for p in range(1, len(prompt)):
         entry, row = out.prompt_logprobs[p], ref[p - 1]
@@ -68,9 +79,17 @@ def test_logprobs_and_prompt_logprobs_match_transformers(hf_dir, cache_dir):
 
 def test_processed_logprobs_follow_temperature_and_top_k(hf_dir, cache_dir):
     """processed_logprobs: the distribution sampled from (after temperature and top-k)."""
-    llm = LLM(str(hf_dir), dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
-              num_gpu_blocks_override=32, token_buckets=[4, 16], request_buckets=[2],
-              compilation_cache_dir=cache_dir, logprobs_mode="processed_logprobs")
+    llm = LLM(
+        str(hf_dir),
+        dtype="float32",
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        num_gpu_blocks_override=32,
+        token_buckets=[4, 16],
+        request_buckets=[2],
+        compilation_cache_dir=cache_dir,
+        logprobs_mode="processed_logprobs",
+    )
     prompt = list(np.random.default_rng(2).integers(3, 259, 12))
     params = SamplingParams(temperature=0.5, top_k=10, seed=4, max_tokens=4, logprobs=3, ignore_eos=True)
     completion = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -85,12 +104,29 @@ def test_processed_logprobs_follow_temperature_and_top_k(hf_dir, cache_dir):
 
 
 def test_seeded_request_is_the_same_alone_in_a_batch_of_64_and_at_another_bucket(cache_dir):
-    llm = LLM("tiny-llama", max_num_seqs=72, max_num_batched_tokens=128, num_gpu_blocks_override=400,
-              token_buckets=[8, 128], request_buckets=[1, 8, 72], compilation_cache_dir=cache_dir)
+    llm = LLM(
+        "tiny-llama",
+        max_num_seqs=72,
+        max_num_batched_tokens=128,
+        num_gpu_blocks_override=400,
+        token_buckets=[8, 128],
+        request_buckets=[1, 8, 72],
+        compilation_cache_dir=cache_dir,
+    )
     rng = np.random.default_rng(1)
     prompt = rng.integers(3, 259, 9).tolist()
-    seeded = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, presence_penalty=0.5,
-                            frequency_penalty=0.3, repetition_penalty=1.2, seed=77, max_tokens=16, ignore_eos=True)
+    seeded = SamplingParams(
+        temperature=0.9,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.02,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+        seed=77,
+        max_tokens=16,
+        ignore_eos=True,
+    )
     others = lambda n: [rng.integers(3, 259, rng.integers(1, 12)).tolist() for _ in range(n)]
     other_params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
 
@@ -108,8 +144,9 @@ def test_seeded_request_is_the_same_alone_in_a_batch_of_64_and_at_another_bucket
 def _batch_sampling(n: int, vocab: int, **values) -> SamplingArrays:
     """A SamplingArrays of n rows with neutral defaults and ``values`` broadcast per row."""
     state = SamplingArrays.zeros(n, SamplerConfig(), vocab)
-    updates = {k: jnp.broadcast_to(jnp.asarray(v, getattr(state, k).dtype), getattr(state, k).shape)
-               for k, v in values.items()}
+    updates = {
+        k: jnp.broadcast_to(jnp.asarray(v, getattr(state, k).dtype), getattr(state, k).shape) for k, v in values.items()
+    }
     return SamplingArrays(**{**state.__dict__, **updates})
 
 
@@ -118,10 +155,21 @@ def _frequencies(logits: np.ndarray, num_samples: int, **values) -> np.ndarray:
     seeds = np.arange(num_samples, dtype=np.uint32)
     state = _batch_sampling(num_samples, vocab, seed_lo=seeds, seed_hi=seeds * 7 + 1, **values)
     idx = jnp.arange(num_samples, dtype=jnp.int32)
-    run = jax.jit(lambda lg, s: sample(
-        lg, s, jnp.zeros((num_samples, 4), jnp.int32), idx, jnp.full(num_samples, 3, jnp.int32),
-        jnp.zeros((num_samples, -(-vocab // 32)), jnp.int32), jnp.zeros(num_samples, bool),
-        max_logprobs=2, logprobs_mode="raw_logprobs").sampled_token_ids)
+    run = jax.jit(
+        lambda lg, s: (
+            sample(
+                lg,
+                s,
+                jnp.zeros((num_samples, 4), jnp.int32),
+                idx,
+                jnp.full(num_samples, 3, jnp.int32),
+                jnp.zeros((num_samples, -(-vocab // 32)), jnp.int32),
+                jnp.zeros(num_samples, bool),
+                max_logprobs=2,
+                logprobs_mode="raw_logprobs",
+            ).sampled_token_ids
+        )
+    )
     tokens = np.asarray(run(jnp.broadcast_to(jnp.asarray(logits), (num_samples, vocab)), state))
     return np.bincount(tokens, minlength=vocab)
 
@@ -155,8 +203,12 @@ def _chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 
 @pytest.mark.parametrize(
     "settings",
-    [dict(temperature=1.0), dict(temperature=0.7, top_k=12), dict(temperature=1.3, top_p=0.8),
-     dict(temperature=1.0, min_p=0.05, top_k=20, top_p=0.9)],
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=12),
+        dict(temperature=1.3, top_p=0.8),
+        dict(temperature=1.0, min_p=0.05, top_k=20, top_p=0.9),
+    ],
 )
 def test_sampled_frequencies_match_the_filtered_softmax(settings):
     rng = np.random.default_rng(3)
@@ -176,8 +228,16 @@ def test_plain_path_draws_what_the_full_path_draws():
     state = _batch_sampling(n, vocab, temperature=[0.0, 0.7, 1.3, 0.0, 1.0, 2.5], seed_lo=seeds, seed_hi=seeds + 1)
     idx, positions = jnp.arange(n, dtype=jnp.int32), jnp.arange(n, dtype=jnp.int32) + 5
     run = lambda plain: sample(
-        logits, state, jnp.zeros((n, 4), jnp.int32), idx, positions, jnp.zeros((n, 2), jnp.int32),
-        jnp.zeros(n, bool), max_logprobs=2, logprobs_mode="raw_logprobs", plain=plain,
+        logits,
+        state,
+        jnp.zeros((n, 4), jnp.int32),
+        idx,
+        positions,
+        jnp.zeros((n, 2), jnp.int32),
+        jnp.zeros(n, bool),
+        max_logprobs=2,
+        logprobs_mode="raw_logprobs",
+        plain=plain,
     )
     full, plain = run(False), run(True)
     np.testing.assert_array_equal(plain.sampled_token_ids, full.sampled_token_ids)
@@ -212,8 +272,9 @@ def test_which_parameters_use_sampling_stages(params, uses):
     req_states = RequestState(2, 32, 2, 0, config, vocab)
     slot = req_states.add_request(NewRequestData("r", prompt, params, ([0],), 0, prefill_token_ids=prompt))
     assert req_states.plain_sampling[slot] == (not uses)
-    state = write_new_requests(DeviceState.zeros(2, 32, 2, config, vocab), req_states.take_staged_rows(1),
-                               req_states.layout)
+    state = write_new_requests(
+        DeviceState.zeros(2, 32, 2, config, vocab), req_states.take_staged_rows(1), req_states.layout
+    )
     row = jax.tree.map(lambda a: a[slot : slot + 1], state.sampling)
     # The decode row that predicts the first output token.
     acting = stage_rows(row, jnp.array([len(prompt) - 1]))
@@ -222,16 +283,25 @@ def test_which_parameters_use_sampling_stages(params, uses):
 
 def test_engine_takes_the_plain_path_and_samples_as_the_full_path(cache_dir):
     """The same seeded requests with logprobs (the full path) and without (the plain path)."""
-    llm = LLM("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=100,
-              token_buckets=[4, 64], request_buckets=[4], compilation_cache_dir=cache_dir)
+    llm = LLM(
+        "tiny-llama",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=100,
+        token_buckets=[4, 64],
+        request_buckets=[4],
+        compilation_cache_dir=cache_dir,
+    )
     runner = llm.llm_engine.runner
     programs = runner.compilation.sample
     paths = []
     get = programs.get
     programs.get = lambda key: paths.append(key[1]) or get(key)
     prompts = [[3, 9, 27, 81], [5, 25, 125], [7, 49]]
-    params = [SamplingParams(temperature=t, seed=s, max_tokens=12, ignore_eos=True)
-              for t, s in [(0.0, None), (0.9, 21), (1.4, 5)]]
+    params = [
+        SamplingParams(temperature=t, seed=s, max_tokens=12, ignore_eos=True)
+        for t, s in [(0.0, None), (0.9, 21), (1.4, 5)]
+    ]
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert set(paths) == {True}
     paths.clear()
@@ -245,18 +315,33 @@ def test_engine_takes_the_plain_path_and_samples_as_the_full_path(cache_dir):
 
 
 def test_constraints_through_the_engine(cache_dir):
-    llm = LLM("tiny-llama", max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=200,
-              token_buckets=[8, 32, 64], request_buckets=[2, 8], compilation_cache_dir=cache_dir)
+    llm = LLM(
+        "tiny-llama",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=200,
+        token_buckets=[8, 32, 64],
+        request_buckets=[2, 8],
+        compilation_cache_dir=cache_dir,
+    )
     tok = llm.get_tokenizer()
     prompt = "Sampling constraints"
     base = dict(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
     allowed = [tok.encode(c, add_special_tokens=False)[0] for c in "abc"]
-    outs = llm.generate([prompt] * 4, [
-        SamplingParams(**base, allowed_token_ids=allowed),
-        SamplingParams(**base, logit_bias={allowed[0]: 100.0}),
-        SamplingParams(**base, bad_words=["a", "b", "e"], allowed_token_ids=allowed + [tok.encode("e", add_special_tokens=False)[0]]),
-        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=10, stop_token_ids=allowed, seed=1),
-    ], use_tqdm=False)
+    outs = llm.generate(
+        [prompt] * 4,
+        [
+            SamplingParams(**base, allowed_token_ids=allowed),
+            SamplingParams(**base, logit_bias={allowed[0]: 100.0}),
+            SamplingParams(
+                **base,
+                bad_words=["a", "b", "e"],
+                allowed_token_ids=allowed + [tok.encode("e", add_special_tokens=False)[0]],
+            ),
+            SamplingParams(temperature=0.0, max_tokens=24, min_tokens=10, stop_token_ids=allowed, seed=1),
+        ],
+        use_tqdm=False,
+    )
     assert set(outs[0].outputs[0].token_ids) <= set(allowed)
     assert outs[1].outputs[0].token_ids == [allowed[0]] * 24
     assert set(outs[2].outputs[0].text) == {"c"}
@@ -264,8 +349,15 @@ def test_constraints_through_the_engine(cache_dir):
 
 
 def test_json_schema_generations_parse_and_validate(cache_dir):
-    llm = LLM("tiny-llama", max_num_seqs=8, max_num_batched_tokens=64, num_gpu_blocks_override=400,
-              token_buckets=[8, 32, 64], request_buckets=[2, 8], compilation_cache_dir=cache_dir)
+    llm = LLM(
+        "tiny-llama",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=400,
+        token_buckets=[8, 32, 64],
+        request_buckets=[2, 8],
+        compilation_cache_dir=cache_dir,
+    )
     schema = {
         "type": "object",
         "properties": {
@@ -277,8 +369,7 @@ def test_json_schema_generations_parse_and_validate(cache_dir):
         "additionalProperties": False,
     }
     constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=constraint)
-              for s in range(20)]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=constraint) for s in range(20)]
     outputs = llm.generate(["Give JSON:"] * 20, params, use_tqdm=False)
     for output in outputs:
         value = json.loads(output.outputs[0].text)

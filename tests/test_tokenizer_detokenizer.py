@@ -15,11 +15,17 @@ import transformers
 from flax import nnx
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from jaxrunner.models.builtin import BUILTIN_MODELS, DEFAULT_DTYPES, is_builtin, load_builtin
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
 from jaxrunner.models import CausalLM
+from jaxrunner.models.builtin import BUILTIN_MODELS, DEFAULT_DTYPES, is_builtin, load_builtin
 from jaxrunner.models.tokenizer import (
-    BOS_ID, BYTE_OFFSET, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID, build_byte_tokenizer, load_tokenizer,
+    BOS_ID,
+    BYTE_OFFSET,
+    BYTE_VOCAB_SIZE,
+    EOS_ID,
+    PAD_ID,
+    build_byte_tokenizer,
+    load_tokenizer,
 )
 
 WORDS = ["hello", "world", "the", "stop", "café", "naïve", "über", "straße", "日本語", "テスト", "good", "\n", "END"]
@@ -76,8 +82,11 @@ def byte_tok():
 @pytest.fixture(scope="module", params=["byte", "gpt2", "sentencepiece"])
 def any_tok(request):
     corpus = _corpus(random.Random(0), 300)
-    builders = {"byte": build_byte_tokenizer, "gpt2": lambda: _gpt2_style(corpus),
-                "sentencepiece": lambda: _sentencepiece_style(corpus)}
+    builders = {
+        "byte": build_byte_tokenizer,
+        "gpt2": lambda: _gpt2_style(corpus),
+        "sentencepiece": lambda: _sentencepiece_style(corpus),
+    }
     tok = builders[request.param]()
     tok.name_or_path = request.param
     return tok
@@ -200,7 +209,7 @@ def test_detokenizer_decodes_a_short_window(any_tok):
     detok = IncrementalDetokenizer(log, any_tok.encode("prompt"))
     for token in output:
         detok.update([token])
-        detok.output_text
+        _ = detok.output_text  # read after every token, as a streaming client does
     assert detok.output_text.lstrip(" ") == text
     assert len(output) > 300 and max(log.sizes) <= 10 and len(log.sizes) <= 2 * len(output) + 1
 
@@ -267,7 +276,9 @@ def test_detokenizer_keeps_special_tokens_when_asked(byte_tok):
     assert detok.output_text == "ok</s>"
     ids = byte_tok.encode("ok", add_special_tokens=False) + [EOS_ID]
     for include, text in [(False, "ok"), (True, "ok</s>")]:
-        detok = IncrementalDetokenizer(byte_tok, [BOS_ID], skip_special_tokens=False, include_stop_str_in_output=include)
+        detok = IncrementalDetokenizer(
+            byte_tok, [BOS_ID], skip_special_tokens=False, include_stop_str_in_output=include
+        )
         assert detok.update(ids, stop_terminated=True) is None
         assert detok.output_text == text
 

@@ -59,20 +59,20 @@ class BlockTables:
 
 
 def apply_block_appends(
-    block_table: Int[Array, "max_reqs max_blocks"], triples: Int[Array, "3 capacity"]
-) -> Int[Array, "max_reqs max_blocks"]:
+    block_table: Int[Array, "max_reqs max_blocks_per_req"], triples: Int[Array, "3 capacity"]
+) -> Int[Array, "max_reqs max_blocks_per_req"]:
     """Write appended block ids; padding triples (row -1) are dropped."""
     rows = jnp.where(triples[0] < 0, block_table.shape[0], triples[0])
     return block_table.at[rows, triples[1]].set(triples[2], mode="drop")
 
 
 def compute_slot_mapping(
-    block_table: Int[Array, "max_reqs max_blocks"],
-    token_req_slots: Int[Array, "num_tokens"],
-    positions: Int[Array, "num_tokens"],
-    is_real: Bool[Array, "num_tokens"],
+    block_table: Int[Array, "max_reqs max_blocks_per_req"],
+    token_req_slots: Int[Array, " num_tokens"],
+    positions: Int[Array, " num_tokens"],
+    is_real: Bool[Array, " num_tokens"],
     block_size: int,
-) -> Int[Array, "num_tokens"]:
+) -> Int[Array, " num_tokens"]:
     """``block_table[req, p // block_size] * block_size + p % block_size``; -1 for padding."""
     block_idx = jnp.clip(positions // block_size, 0, block_table.shape[1] - 1)
     block_ids = block_table.at[token_req_slots, block_idx].get(mode="fill", fill_value=0)

@@ -46,23 +46,29 @@ class StepShape:
 class SampleRows:
     """Per scheduled request (padded to max_num_reqs): what the sampling step needs."""
 
-    idx_mapping: Int[Array, "max_reqs"]  # request slot; max_num_reqs for padding
-    num_scheduled: Int[Array, "max_reqs"]
-    num_drafts: Int[Array, "max_reqs"]
-    draft_tokens: Int[Array, "max_reqs S"]
+    idx_mapping: Int[Array, " max_reqs"]  # request slot; max_num_reqs for padding
+    num_scheduled: Int[Array, " max_reqs"]
+    num_drafts: Int[Array, " max_reqs"]
+    draft_tokens: Int[Array, "max_reqs num_spec"]
     # Input position of each logits row: row j scores the token after draft j - 1
     # (row 0: after the last sampled or prompt token). Rows past num_drafts are padding.
-    positions: Int[Array, "max_reqs S+1"]
-    is_sampling: Bool[Array, "max_reqs"]  # False mid chunked prefill and for padding
+    positions: Int[Array, "max_reqs num_spec_plus_1"]
+    is_sampling: Bool[Array, " max_reqs"]  # False mid chunked prefill and for padding
 
     @classmethod
     def abstract(cls, max_num_reqs: int, num_spec: int) -> SampleRows:
         """Shapes and dtypes of the rows, for lowering the sampling programs."""
         i32 = lambda *shape: jnp.zeros((max_num_reqs, *shape), jnp.int32)
-        return jax.eval_shape(lambda: cls(
-            idx_mapping=i32(), num_scheduled=i32(), num_drafts=i32(), draft_tokens=i32(num_spec),
-            positions=i32(num_spec + 1), is_sampling=jnp.zeros(max_num_reqs, jnp.bool_),
-        ))
+        return jax.eval_shape(
+            lambda: cls(
+                idx_mapping=i32(),
+                num_scheduled=i32(),
+                num_drafts=i32(),
+                draft_tokens=i32(num_spec),
+                positions=i32(num_spec + 1),
+                is_sampling=jnp.zeros(max_num_reqs, jnp.bool_),
+            )
+        )
 
 
 @dataclasses.dataclass
@@ -112,8 +118,15 @@ def pack_step_buffer(
 
 
 def build_step_inputs(
-    state: DeviceState, step_buffer: Int[Array, "words"], shape: StepShape, block_size: int
-) -> tuple[DeviceState, Int[Array, "T"], Int[Array, "T"], AttentionMetadata, SampleRows, Int[Array, "R S+1"]]:
+    state: DeviceState, step_buffer: Int[Array, " buffer_words"], shape: StepShape, block_size: int
+) -> tuple[
+    DeviceState,
+    Int[Array, " num_tokens"],
+    Int[Array, " num_tokens"],
+    AttentionMetadata,
+    SampleRows,
+    Int[Array, "num_rows num_spec_plus_1"],
+]:
     """Input ids, positions, attention metadata, sample rows and logits indices, from the step buffer (in jit).
 
     A request with drafts is decoding: its first query token is its last
@@ -181,7 +194,10 @@ def build_step_inputs(
 
 
 def post_update(
-    state: DeviceState, rows: SampleRows, output_tokens: Int[Array, "R S+1"], num_sampled: Int[Array, "R"]
+    state: DeviceState,
+    rows: SampleRows,
+    output_tokens: Int[Array, "num_rows num_spec_plus_1"],
+    num_sampled: Int[Array, " num_rows"],
 ) -> DeviceState:
     """Advance computed counts by the accepted tokens; store, count and remember them (in jit).
 

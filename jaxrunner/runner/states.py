@@ -47,13 +47,13 @@ class DeviceState:
     """
 
     token_ids: Int[Array, "max_reqs max_model_len"]
-    prefill_len: Int[Array, "max_reqs"]
-    num_computed_tokens: Int[Array, "max_reqs"]
-    last_sampled_tokens: Int[Array, "max_reqs"]
-    block_table: Int[Array, "max_reqs max_blocks"]
+    prefill_len: Int[Array, " max_reqs"]
+    num_computed_tokens: Int[Array, " max_reqs"]
+    last_sampled_tokens: Int[Array, " max_reqs"]
+    block_table: Int[Array, "max_reqs max_blocks_per_req"]
     sampling: SamplingArrays
     # Drafts a draft model proposed on the device for each request's next step.
-    draft_tokens: Int[Array, "max_reqs S"]
+    draft_tokens: Int[Array, "max_reqs num_spec"]
 
     @classmethod
     def zeros(

@@ -67,10 +67,17 @@ def forward(
     kv_caches: KVCaches,
     draft_kv: KVCaches,
     state: DeviceState,
-    step_buffer: Int[Array, "words"],
+    step_buffer: Int[Array, " buffer_words"],
     *,
     shape: StepShape,
-) -> tuple[KVCaches, KVCaches, DeviceState, Float[Array, "max_reqs S+1 E"], SampleRows, Float[Array, "T E"]]:
+) -> tuple[
+    KVCaches,
+    KVCaches,
+    DeviceState,
+    Float[Array, "max_reqs num_spec_plus_1 hidden_size"],
+    SampleRows,
+    Float[Array, "num_tokens hidden_size"],
+]:
     """The step's inputs from its buffer, the model (and the drafter's pass), and the hidden rows to sample."""
     model = statics.model(param_leaves)
     draft_params = statics.draft_params(draft_leaves)
@@ -93,15 +100,15 @@ def sample_step(
     param_leaves: ParamLeaves,
     draft_leaves: ParamLeaves,
     draft_kv: KVCaches,
-    sample_hidden: Float[Array, "max_reqs S+1 E"],
+    sample_hidden: Float[Array, "max_reqs num_spec_plus_1 hidden_size"],
     rows: SampleRows,
     state: DeviceState,
-    grammar_bitmask: Int[Array, "R W"] | None,
-    grammar_active: Bool[Array, "R"] | None,
+    grammar_bitmask: Int[Array, "num_rows bitmask_words"] | None,
+    grammar_active: Bool[Array, " num_rows"] | None,
     *,
     num_rows: int,
     plain: bool = False,
-) -> tuple[KVCaches, DeviceState, Int[Array, "R S+1"], LogprobsTensors | None]:
+) -> tuple[KVCaches, DeviceState, Int[Array, "num_rows num_spec_plus_1"], LogprobsTensors | None]:
     """Logits, sampling (or verification of drafts), the post-update, and the next drafts.
 
     ``plain``: the batch uses no sampling stage before the draw and asks for no
@@ -172,12 +179,12 @@ def decode_steps(
     kv_caches: KVCaches,
     draft_kv: KVCaches,
     state: DeviceState,
-    step_buffer: Int[Array, "words"],
+    step_buffer: Int[Array, " buffer_words"],
     *,
     shape: StepShape,
     num_rows: int,
     num_steps: int,
-) -> tuple[KVCaches, KVCaches, DeviceState, Int[Array, "R num_steps"]]:
+) -> tuple[KVCaches, KVCaches, DeviceState, Int[Array, "num_rows num_steps"]]:
     """``num_steps`` decode steps back to back (multi-step scheduling): each a forward step and
     the plain sampling step, each step's sampled tokens the next one's inputs, all on the device.
 
@@ -215,7 +222,7 @@ def _propose_on_device(
     draft_kv: KVCaches,
     state: DeviceState,
     head: SampleRows,
-    features: Float[Array, "R E"],
+    features: Float[Array, "num_rows hidden_size"],
 ) -> tuple[KVCaches, DeviceState]:
     """Next step's drafts from each sampling row's new last token, left on the device."""
     assert statics.drafter is not None
@@ -241,9 +248,9 @@ def _propose_on_device(
 def prompt_logprobs(
     statics: StepStatics,
     param_leaves: ParamLeaves,
-    hidden: Float[Array, "T E"],
-    targets: Int[Array, "T"],
-    num_logprobs: Int[Array, "T"],
+    hidden: Float[Array, "num_tokens hidden_size"],
+    targets: Int[Array, " num_tokens"],
+    num_logprobs: Int[Array, " num_tokens"],
 ) -> LogprobsTensors:
     """Raw logprobs of each next prompt token, in row chunks to bound the logits' memory."""
     model = statics.model(param_leaves)

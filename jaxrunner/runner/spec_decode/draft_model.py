@@ -38,10 +38,10 @@ class DraftModel(DeviceDrafter):
         params: nnx.State,
         kv_caches: KVCaches,
         target: CausalLM,
-        input_ids: Int[Array, "T"],
-        positions: Int[Array, "T"],
+        input_ids: Int[Array, " num_tokens"],
+        positions: Int[Array, " num_tokens"],
         metadata: AttentionMetadata,
-        hidden: Float[Array, "T E"],
+        hidden: Float[Array, "num_tokens hidden_size"],
         attention_backend: AttentionBackend,
     ) -> KVCaches:
         """The draft's KV for this step's tokens (its outputs are not needed)."""
@@ -54,16 +54,16 @@ class DraftModel(DeviceDrafter):
         params: nnx.State,
         kv_caches: KVCaches,
         target: CausalLM,
-        block_table: Int[Array, "R max_blocks"],
-        slots: Int[Array, "R"],
-        last_tokens: Int[Array, "R"],
-        positions: Int[Array, "R"],
-        features: Float[Array, "R E"],
-        active: Bool[Array, "R"],
+        block_table: Int[Array, "num_rows max_blocks_per_req"],
+        slots: Int[Array, " num_rows"],
+        last_tokens: Int[Array, " num_rows"],
+        positions: Int[Array, " num_rows"],
+        features: Float[Array, "num_rows hidden_size"],
+        active: Bool[Array, " num_rows"],
         num_drafts: int,
         block_size: int,
         attention_backend: AttentionBackend,
-    ) -> tuple[KVCaches, Int[Array, "R S"]]:
+    ) -> tuple[KVCaches, Int[Array, "num_rows num_spec"]]:
         """Greedy drafts: ``num_drafts`` one-token passes from each active row's last token.
 
         ``positions`` is the position of ``last_tokens``; ``features`` (the

@@ -34,10 +34,10 @@ class Drafter(Protocol):
         params: nnx.State,
         kv_caches: KVCaches,
         target: CausalLM,
-        input_ids: Int[Array, "T"],
-        positions: Int[Array, "T"],
+        input_ids: Int[Array, " num_tokens"],
+        positions: Int[Array, " num_tokens"],
         metadata: AttentionMetadata,
-        hidden: Float[Array, "T E"],
+        hidden: Float[Array, "num_tokens hidden_size"],
         attention_backend: AttentionBackend,
     ) -> KVCaches:
         """The drafter's KV cache after this step's tokens (``hidden``: the target's features at them)."""
@@ -48,16 +48,16 @@ class Drafter(Protocol):
         params: nnx.State,
         kv_caches: KVCaches,
         target: CausalLM,
-        block_table: Int[Array, "R max_blocks"],
-        slots: Int[Array, "R"],
-        last_tokens: Int[Array, "R"],
-        positions: Int[Array, "R"],
-        features: Float[Array, "R E"],
-        active: Bool[Array, "R"],
+        block_table: Int[Array, "num_rows max_blocks_per_req"],
+        slots: Int[Array, " num_rows"],
+        last_tokens: Int[Array, " num_rows"],
+        positions: Int[Array, " num_rows"],
+        features: Float[Array, "num_rows hidden_size"],
+        active: Bool[Array, " num_rows"],
         num_drafts: int,
         block_size: int,
         attention_backend: AttentionBackend,
-    ) -> tuple[KVCaches, Int[Array, "R S"]]:
+    ) -> tuple[KVCaches, Int[Array, "num_rows num_spec"]]:
         """Greedy drafts, ``num_drafts`` per active row, from its last token at ``positions``."""
         ...
 
@@ -80,8 +80,14 @@ class DeviceDrafter:
 
 
 DraftStep = Callable[
-    [Int[Array, "R"], Float[Array, "R E"], AttentionMetadata, Int[Array, "R"], KVCaches],
-    tuple[Float[Array, "R V"], Float[Array, "R E"], KVCaches],
+    [
+        Int[Array, " num_rows"],
+        Float[Array, "num_rows hidden_size"],
+        AttentionMetadata,
+        Int[Array, " num_rows"],
+        KVCaches,
+    ],
+    tuple[Float[Array, "num_rows vocab_size"], Float[Array, "num_rows hidden_size"], KVCaches],
 ]
 """One pass of one token per row: (tokens, features, metadata, positions, caches) -> (logits, features, caches)."""
 
@@ -89,15 +95,15 @@ DraftStep = Callable[
 def decode_drafts(
     step: DraftStep,
     kv_caches: KVCaches,
-    block_table: Int[Array, "R max_blocks"],
-    slots: Int[Array, "R"],
-    last_tokens: Int[Array, "R"],
-    positions: Int[Array, "R"],
-    features: Float[Array, "R E"],
-    active: Bool[Array, "R"],
+    block_table: Int[Array, "num_rows max_blocks_per_req"],
+    slots: Int[Array, " num_rows"],
+    last_tokens: Int[Array, " num_rows"],
+    positions: Int[Array, " num_rows"],
+    features: Float[Array, "num_rows hidden_size"],
+    active: Bool[Array, " num_rows"],
     num_drafts: int,
     block_size: int,
-) -> tuple[KVCaches, Int[Array, "R S"]]:
+) -> tuple[KVCaches, Int[Array, "num_rows num_spec"]]:
     """Run ``step`` (one token per row) ``num_drafts`` times, feeding back argmax tokens and features."""
     n = slots.shape[0]
     tables = block_table.at[slots].get(mode="fill", fill_value=0)

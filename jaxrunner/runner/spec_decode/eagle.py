@@ -39,10 +39,10 @@ class EagleDrafter(DeviceDrafter):
         params: nnx.State,
         kv_caches: KVCaches,
         target: CausalLM,
-        input_ids: Int[Array, "T"],
-        positions: Int[Array, "T"],
+        input_ids: Int[Array, " num_tokens"],
+        positions: Int[Array, " num_tokens"],
         metadata: AttentionMetadata,
-        hidden: Float[Array, "T E"],
+        hidden: Float[Array, "num_tokens hidden_size"],
         attention_backend: AttentionBackend,
     ) -> KVCaches:
         """The head's KV at every position whose next token is known this step."""
@@ -65,16 +65,16 @@ class EagleDrafter(DeviceDrafter):
         params: nnx.State,
         kv_caches: KVCaches,
         target: CausalLM,
-        block_table: Int[Array, "R max_blocks"],
-        slots: Int[Array, "R"],
-        last_tokens: Int[Array, "R"],
-        positions: Int[Array, "R"],
-        features: Float[Array, "R E"],
-        active: Bool[Array, "R"],
+        block_table: Int[Array, "num_rows max_blocks_per_req"],
+        slots: Int[Array, " num_rows"],
+        last_tokens: Int[Array, " num_rows"],
+        positions: Int[Array, " num_rows"],
+        features: Float[Array, "num_rows hidden_size"],
+        active: Bool[Array, " num_rows"],
         num_drafts: int,
         block_size: int,
         attention_backend: AttentionBackend,
-    ) -> tuple[KVCaches, Int[Array, "R S"]]:
+    ) -> tuple[KVCaches, Int[Array, "num_rows num_spec"]]:
         """Greedy drafts from each row's last token (at ``positions``) and the feature before it."""
         head = nnx.merge(self.graphdef, params)
 
