@@ -35,6 +35,7 @@ import json
 import statistics
 import time
 import traceback
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,7 @@ from benchmarks.harness import (
     ms_by_kernel,
     write_json,
 )
-from jaxrunner.compat import mosaic_gpu_interpreter_off_gpu
+from jaxrunner.ops.attention_backend import AttentionBackend
 from jaxrunner.ops.attention_metadata import AttentionMetadata
 from jaxrunner.ops.attention_mgpu import (
     KernelConfig,
@@ -190,7 +191,7 @@ def kernel_only(q, k_cache, v_cache, metadata, heads: Heads):
             sm_scale=heads.sm_scale,
             sliding_window=None,
             soft_cap=None,
-            interpret=mosaic_gpu_interpreter_off_gpu(),
+            interpret=AttentionBackend.default().interpreter(),
             **kwargs,
         )
 
@@ -280,7 +281,7 @@ def run_case(
     q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, heads, block_size)
     ours = jax.jit(
         functools.partial(
-            ragged_paged_attention_mgpu, sm_scale=heads.sm_scale, interpret=mosaic_gpu_interpreter_off_gpu()
+            ragged_paged_attention_mgpu, sm_scale=heads.sm_scale, interpret=AttentionBackend.default().interpreter()
         )
     )
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=heads.sm_scale))
@@ -369,14 +370,14 @@ def sweep_case(kind, batch, context, heads: Heads = LLAMA3_8B, block_size: int =
     base = config_for(q, k_cache, metadata)
     row = {"kind": kind, "batch": batch, "context": context, "configs": {}}
     for name, config in candidate_configs(base).items():
-        entry = {"config": dataclasses.asdict(config)}
+        entry: dict[str, Any] = {"config": dataclasses.asdict(config)}
         try:
             fn = jax.jit(
                 functools.partial(
                     ragged_paged_attention_mgpu,
                     sm_scale=heads.sm_scale,
                     config=config,
-                    interpret=mosaic_gpu_interpreter_off_gpu(),
+                    interpret=AttentionBackend.default().interpreter(),
                 )
             )
             entry["max_rel_error"] = max_rel_error(fn(q, k_cache, v_cache, metadata), expected)
@@ -391,7 +392,8 @@ def sweep_case(kind, batch, context, heads: Heads = LLAMA3_8B, block_size: int =
             row[BASELINE_NAMES[kind]] = seconds(fn, *args)
     except Exception as exc:
         row["baseline_error"] = "".join(traceback.format_exception_only(exc))[-1500:]
-    print(kind, batch, context, "baseline", row.get(BASELINE_NAMES.get(kind), row.get("baseline_error")), flush=True)
+    shipped = BASELINE_NAMES.get(kind, "baseline_error")  # a kind with no shipped kernel: its error, if any
+    print(kind, batch, context, "baseline", row.get(shipped, row.get("baseline_error")), flush=True)
     return row
 
 
@@ -490,8 +492,9 @@ def main() -> None:
         return
     if args.sweep:
         rows = []
-        for case in args.only or SWEEP_CASES:  # written after each case, so a cut-short run keeps what it measured
-            rows.append(sweep_case(*case, heads, args.block_size))
+        cases: list[tuple[str, int, int]] = args.only or SWEEP_CASES
+        for kind, batch, context in cases:  # written after each case, so a cut-short run keeps what it measured
+            rows.append(sweep_case(kind, batch, context, heads, args.block_size))
             write_json(args.out, {**facts, "heads": args.heads, "block_size": args.block_size, "sweep": rows})
         return
     floors = measure_floors(args.floor_elements)

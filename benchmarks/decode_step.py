@@ -214,7 +214,7 @@ def main() -> None:
         shape=args.shape,
         scheduler_steps=args.scheduler_steps,
         tensor_parallel_size=args.tensor_parallel_size,
-        compiler_options={batch: runner.compiler_options(batch) for batch in args.batches},
+        compiler_options={batch: runner.compilation.compiler_options(batch) for batch in args.batches},
         weight_gb=weight_bytes / 1e9,
         load_s=load_s,
         precompile_s=compile_s,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+from collections.abc import Sequence
 
 GRAPHS_WHILE_PROFILING_FLAG = "--xla_enable_command_buffers_during_profiling=true"
 GAP_BINS_US = (2.0, 10.0, 100.0)  # upper bounds of the gap classes; the last class is everything longer
@@ -91,7 +92,7 @@ def kind_of(name: str) -> str:
     return "copy" if "memcpy" in lowered else "memset" if "memset" in lowered else "kernel"
 
 
-def summarize(events: list[Event], num_steps: int, top: int = 10, host: list[Event] = ()) -> dict:
+def summarize(events: list[Event], num_steps: int, top: int = 10, host: Sequence[Event] = ()) -> dict:
     """Per step: the span, the time some event runs (streams merged), the time per event kind, the idle
     gaps by length class, and the ``top`` longest gaps with the events that end and start them and,
     given the ``host``'s events, what the host was doing meanwhile."""

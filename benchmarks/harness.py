@@ -24,7 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
-from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from jaxrunner.interfaces import (
+    AsyncModelRunnerOutput,
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
 from jaxrunner.models import TransformerConfig, init_random_model
 from jaxrunner.models.builtin import BUILTIN_MODELS
 from jaxrunner.runner.model_runner import ModelRunner
@@ -185,7 +191,8 @@ def cupti_kernel_timings(run: Callable[[], object]) -> list[tuple[str, float]]:
         raise RuntimeError(f"CUPTI times NVIDIA GPU kernels; this backend is {jax.default_backend()!r}")
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
 
-    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    # A private extension module (no public name in jax's stubs); Mosaic GPU's own profiler reads CUPTI through it.
+    ext = mosaic_gpu_lib._mosaic_gpu_ext  # pyright: ignore[reportPrivateImportUsage]
     ext._cupti_init()
     try:
         run()
@@ -277,7 +284,9 @@ def steps_per_round(runner: ModelRunner) -> int:
     return runner.config.scheduler_config.num_scheduler_steps
 
 
-def add_decoding_requests(runner: ModelRunner, batch: int, context: int, steps: int, rng, tag: str):
+def add_decoding_requests(
+    runner: ModelRunner, batch: int, context: int, steps: int, rng, tag: str
+) -> tuple[list[str], AsyncModelRunnerOutput]:
     """Give the runner ``batch`` requests at ``context`` tokens, with blocks for ``steps`` more rounds,
     and dispatch their first step; returns their ids and that step's pending output.
 
@@ -297,7 +306,14 @@ def add_decoding_requests(runner: ModelRunner, batch: int, context: int, steps: 
         for i, req_id in enumerate(ids)
     ]
     runner.execute_model(SchedulerOutput(new_reqs, CachedRequestData(), {r: 1 for r in ids}, batch))
-    return ids, runner.sample_tokens(None)
+    return ids, sample_pending(runner)
+
+
+def sample_pending(runner: ModelRunner) -> AsyncModelRunnerOutput:
+    """``sample_tokens`` for the dispatched step: its output, still pending (``build_runner``'s runners are async)."""
+    output = runner.sample_tokens(None)
+    assert isinstance(output, AsyncModelRunnerOutput), "build_runner's runners schedule asynchronously"
+    return output
 
 
 def decode_step_output(ids: list[str], context: int, step: int, round_steps: int = 1) -> SchedulerOutput:
@@ -332,7 +348,7 @@ def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, 
             in_flight.get_output()
         if step < steps:
             runner.execute_model(decode_step_output(ids, context, step, round_steps))
-            dispatched = runner.sample_tokens(None)
+            dispatched = sample_pending(runner)
         if pipelined:
             in_flight.get_output()
         now = time.perf_counter()

@@ -54,8 +54,8 @@ from collections.abc import Callable
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig
-from transformers.generation import CompileConfig
+from transformers import AutoModelForCausalLM, CompileConfig, LlamaConfig, LlamaForCausalLM
+from transformers.utils.import_utils import is_flash_attn_2_available
 
 from benchmarks.harness import SHAPES, commit, parse_pair, parse_workload, write_json
 
@@ -74,7 +74,7 @@ PREFILL_CHUNK_TOKENS = 8192
 def build_config(shape: str) -> LlamaConfig:
     """The Llama config of ``shape``: its sizes, Llama 3.1 RoPE scaling, untied embeddings."""
     s = SHAPES[shape]
-    sizes = dict(
+    return LlamaConfig(
         vocab_size=s.vocab_size,
         hidden_size=s.hidden_size,
         intermediate_size=s.intermediate_size,
@@ -82,9 +82,6 @@ def build_config(shape: str) -> LlamaConfig:
         num_attention_heads=s.num_heads,
         num_key_value_heads=s.num_kv_heads,
         head_dim=s.head_dim,
-    )
-    return LlamaConfig(
-        **sizes,
         rms_norm_eps=1e-5,
         max_position_embeddings=131072,
         rope_parameters=dict(LLAMA3_ROPE),
@@ -96,7 +93,7 @@ def attention_implementation(requested: str) -> str:
     """``auto``: flash_attention_2 where its package is installed, else PyTorch's sdpa."""
     if requested != "auto":
         return requested
-    return "flash_attention_2" if transformers.utils.is_flash_attn_2_available() else "sdpa"
+    return "flash_attention_2" if is_flash_attn_2_available() else "sdpa"
 
 
 def check_random_weights(model: torch.nn.Module) -> None:
@@ -108,7 +105,7 @@ def check_random_weights(model: torch.nn.Module) -> None:
             raise ValueError(f"{name} is constant")
 
 
-def build_model(shape: str, device: torch.device, attn: str, seed: int) -> torch.nn.Module:
+def build_model(shape: str, device: torch.device, attn: str, seed: int) -> LlamaForCausalLM:
     """A random-weight bf16 model built directly on ``device`` (transformers' own init: normal, std 0.02)."""
     torch.manual_seed(seed)
     with torch.device(device):
@@ -148,11 +145,11 @@ def step_seconds(step: Callable[[], None], count: int, device: torch.device) -> 
     return [start.elapsed_time(end) / 1e3 for start, end in events]
 
 
-def random_tokens(model: torch.nn.Module, batch: int, length: int) -> torch.Tensor:
+def random_tokens(model: LlamaForCausalLM, batch: int, length: int) -> torch.Tensor:
     return torch.randint(0, model.config.vocab_size, (batch, length), device=model.device)
 
 
-def prefill(model: torch.nn.Module, cache, batch: int, context: int) -> None:
+def prefill(model: LlamaForCausalLM, cache, batch: int, context: int) -> None:
     """Fill ``cache`` with ``context`` random tokens per request, in chunks of about PREFILL_CHUNK_TOKENS tokens."""
     chunk = max(1, PREFILL_CHUNK_TOKENS // batch)
     for start in range(0, context, chunk):
@@ -161,7 +158,7 @@ def prefill(model: torch.nn.Module, cache, batch: int, context: int) -> None:
 
 
 def decode_times(
-    model: torch.nn.Module, forward: Callable, batch: int, context: int, steps: int, warmup: int
+    model: LlamaForCausalLM, forward: Callable, batch: int, context: int, steps: int, warmup: int
 ) -> list[float]:
     """Seconds per decode step at ``batch`` x ``context``, after ``warmup`` steps, on a freshly prefilled cache."""
     cache = transformers.StaticCache(config=model.config, max_cache_len=context + warmup + steps)
@@ -202,7 +199,7 @@ def with_compile_fallback(measure: Callable[[bool], dict], compile: bool, device
     return measure(False)
 
 
-def decode_row(model: torch.nn.Module, batch: int, context: int, steps: int, warmup: int, compile: bool) -> dict:
+def decode_row(model: LlamaForCausalLM, batch: int, context: int, steps: int, warmup: int, compile: bool) -> dict:
     """The median decode step at ``batch`` x ``context``."""
 
     def measure(compiled: bool) -> dict:
@@ -224,12 +221,14 @@ def batch_sizes(num_requests: int, concurrency: int) -> list[int]:
 
 
 def generate(
-    model: torch.nn.Module, batch: int, input_len: int, output_len: int, cache_len: int, greedy: bool, compile: bool
+    model: LlamaForCausalLM, batch: int, input_len: int, output_len: int, cache_len: int, greedy: bool, compile: bool
 ) -> int:
     """One ``generate`` of ``batch`` random prompts; returns the number of tokens it generated."""
     prompts = random_tokens(model, batch, input_len)
     sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    out = model.generate(
+    # transformers types generate's self as its GenerativePreTrainedModel protocol, which its own models fail
+    # (hf_quantizer, encoder, ... undeclared; device a property).
+    out = model.generate(  # pyright: ignore[reportAttributeAccessIssue]
         prompts,
         attention_mask=torch.ones_like(prompts),
         min_new_tokens=output_len,
@@ -249,7 +248,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_batches(
-    model: torch.nn.Module, sizes: list[int], input_len: int, output_len: int, greedy: bool, compile: bool
+    model: LlamaForCausalLM, sizes: list[int], input_len: int, output_len: int, greedy: bool, compile: bool
 ) -> dict:
     """Warm up each batch shape (compile, CUDA graph capture), then time the batches back to back."""
     cache_len = input_len + output_len
@@ -272,7 +271,7 @@ def time_batches(
 
 
 def throughput_row(
-    model: torch.nn.Module,
+    model: LlamaForCausalLM,
     workload: tuple[int, int, int],
     concurrency: int,
     max_batches: int,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,7 @@ def main() -> None:
             floor = (weight_bytes + 2 * m * (k + n)) / copy
             for variant, (fn, options) in variants([s for s in args.split_k if k % s == 0]).items():
                 start = time.perf_counter()
+                row: dict[str, Any]
                 try:
                     row = time_variant(fn, options, x, weights, args.repeats)
                 except Exception as exc:  # an option this XLA lacks, say: keep the other variants

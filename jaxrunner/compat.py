@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import jax
 
 
-def device_memory_stats(device: jax.Device) -> dict[str, int] | None:
+# jax/__init__.py assigns jax.Device (``Device = _xc.Device``), which pyright takes for a variable.
+def device_memory_stats(device: jax.Device) -> dict[str, int] | None:  # pyright: ignore[reportInvalidTypeForm]
     """The allocator's statistics, or None on backends that keep none (the CPU)."""
     try:
         stats = device.memory_stats()
@@ -49,6 +50,7 @@ def mosaic_gpu_interpreter_on_several_devices() -> Iterator[None]:
         gpu_callbacks._assert_no_barriers_allocated = check
 
 
-def is_hopper(device: jax.Device) -> bool:
+# jax.Device: see device_memory_stats.
+def is_hopper(device: jax.Device) -> bool:  # pyright: ignore[reportInvalidTypeForm]
     """Whether ``device`` is an NVIDIA GPU of compute capability 9.x (H100, H200)."""
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")

@@ -36,9 +36,17 @@ def ragged_paged_attention(
         interpret = backend.interpret if interpret is None else interpret
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(map(repr, IMPLEMENTATIONS))}")
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if impl == "reference":
-        return ragged_paged_attention_reference(q, k_cache, v_cache, metadata, **kwargs)
+        return ragged_paged_attention_reference(
+            q, k_cache, v_cache, metadata, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
+        )
     return ragged_paged_attention_mgpu(
-        q, k_cache, v_cache, metadata, interpret=mosaic_gpu_interpreter() if interpret else None, **kwargs
+        q,
+        k_cache,
+        v_cache,
+        metadata,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=mosaic_gpu_interpreter() if interpret else None,
     )

@@ -48,7 +48,8 @@ class AttentionBackend:
             )
 
     @classmethod
-    def for_devices(cls, devices: Sequence[jax.Device], impl: str | None = None) -> AttentionBackend:
+    # jax/__init__.py assigns jax.Device (``Device = _xc.Device``), which pyright takes for a variable.
+    def for_devices(cls, devices: Sequence[jax.Device], impl: str | None = None) -> AttentionBackend:  # pyright: ignore[reportInvalidTypeForm]
         """The backend of ``devices`` (alike, as a mesh's are): ``impl`` if given, else the flag's, else automatic."""
         device = devices[0]
         return cls(impl or envs.JAXRUNNER_ATTENTION_IMPL, is_hopper(device), device.platform != "gpu")

@@ -86,12 +86,13 @@ def write_kv_mgpu(
         )
     k_ref = jax.new_ref(k_cache, memory_space=plgpu.GMEM)
     v_ref = jax.new_ref(v_cache, memory_space=plgpu.GMEM)
-    # pl.kernel, not plgpu.kernel: the latter's batching wrapper takes no refs.
+    # pl.kernel, not plgpu.kernel: the latter's batching wrapper takes no refs. pl.kernel has no return
+    # annotation, and pyright infers its decorator mode's one-argument lambda among the returns: hence the ignore.
     pl.kernel(
         functools.partial(_write_token, block_size=k_cache.shape[1]),
         out_type=(),
         mesh=plgpu.Mesh(grid=(num_tokens,), grid_names=("token",)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
-    )(slot_mapping.astype(jnp.int32), k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), k_ref, v_ref)
+    )(slot_mapping.astype(jnp.int32), k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), k_ref, v_ref)  # pyright: ignore[reportCallIssue]
     return jax.freeze(k_ref), jax.freeze(v_ref)

@@ -20,7 +20,13 @@ from jaxrunner.config import (
     RunnerConfig,
     SchedulerConfig,
 )
-from jaxrunner.interfaces import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from jaxrunner.interfaces import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.sharding import tensor_parallel_size
 
@@ -145,6 +151,7 @@ class HandScheduler:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return
         output = self.runner.sample_tokens(None)
+        assert isinstance(output, ModelRunnerOutput)  # make_runner leaves async scheduling off
         by_id = {r.req_id: r for r in self.running}
         for req_id, tokens in zip(output.req_ids, output.sampled_token_ids):
             req = by_id[req_id]

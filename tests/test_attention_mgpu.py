@@ -8,6 +8,7 @@ block tables with padded tokens and requests (``test_attention_reference``).
 
 import dataclasses
 import functools
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,14 @@ from jaxrunner.ops.attention_mgpu import (
     tile_schedule,
 )
 
-SMALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
+
+class _Shape(TypedDict):
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+SMALL = _Shape(num_q_heads=4, num_kv_heads=2, head_dim=64)
 
 
 def _kernel_vs_reference(case: Case, seed: int, config: KernelConfig | None, tol: float, interpret) -> None:
@@ -230,9 +238,9 @@ def test_model_logits_through_the_kernel_match_the_reference_path(monkeypatch):
     model = init_random_model(config, dtype="bfloat16", seed=0)
     prompts = random_prompts(config.vocab_size, [300, 17, 64, 129], seed=2)
     first, second = [200, 17, 64, 129], [100, 0, 1, 1]
-    common = dict(block_size=16, num_blocks=160, blocks_per_req=32, num_reqs=5)
-    md1, pos1 = packed_metadata(first, **common, num_tokens=512)
-    md2, pos2 = packed_metadata([300, 17, 65, 130], second, **common, num_tokens=128)
+    packed = functools.partial(packed_metadata, block_size=16, num_blocks=160, blocks_per_req=32, num_reqs=5)
+    md1, pos1 = packed(first, num_tokens=512)
+    md2, pos2 = packed([300, 17, 65, 130], second, num_tokens=128)
     shape = (160, 16, config.num_kv_heads, config.head_dim)
     logits = {}
     for impl in ("reference", "mosaic_gpu"):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -52,7 +53,7 @@ def token_prompts(seed: int, lengths) -> list[list[int]]:
     return [rng.integers(3, 250, n).tolist() for n in lengths]
 
 
-def greedy_tokens(llm, prompts, params=GREEDY):
+def greedy_tokens(llm, prompts, params: SamplingParams | Sequence[SamplingParams] = GREEDY):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -215,7 +216,11 @@ def test_generate_matches_transformers_greedy_text(tmp_path, cache_dir):
     for text, output in zip(texts, ours):
         ids = tokenizer.encode(text)
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+            # transformers types GenerationMixin's self as a Protocol (written for `ty`) that pyright finds
+            # PreTrainedModel does not satisfy (hf_quantizer is declared, not set on the class).
+            ref = hf.generate(  # pyright: ignore[reportAttributeAccessIssue]
+                torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False
+            )
         ref_ids = ref[0, len(ids) :].tolist()
         assert output.outputs[0].token_ids == ref_ids
         assert output.outputs[0].text == tokenizer.decode(ref_ids, skip_special_tokens=True)

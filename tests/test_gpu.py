@@ -35,7 +35,7 @@ def test_attention_reference_at_llama3_sizes(reqs):
 
 def test_kv_cache_is_sized_from_device_memory():
     device = jax.devices("gpu")[0]
-    spec = KVCacheSpec(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
+    spec = KVCacheSpec(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=jnp.dtype(jnp.bfloat16))
     stats = device.memory_stats()
     blocks = determine_num_blocks(
         spec, CacheConfig(gpu_memory_utilization=0.5), device, activation_bytes=1 << 30, max_useful_blocks=1 << 40

@@ -147,7 +147,7 @@ def test_blocks_of_running_requests_are_never_evicted():
     mgr.free("a")
     held = set(mgr.get_block_ids("b"))
     taken = mgr.allocate_slots("c", list(range(50, 62)), 12, 0)
-    assert len(taken) == 3 and not held & set(taken)
+    assert taken is not None and len(taken) == 3 and not held & set(taken)
     assert mgr.allocate_slots("d", [1], 1, 0) is None
     assert mgr.get_computed_blocks("x", list(range(100, 109)))[1] == 8
 

@@ -1,6 +1,7 @@
 """ModelRunner end to end: HF greedy parity, no recompiles, seeded sampling, bad input."""
 
 import random
+from typing import TypedDict
 
 import numpy as np
 import pytest
@@ -15,7 +16,14 @@ from jaxrunner.ops import AttentionBackend
 from jaxrunner.runner.compilation import CompileCounter
 
 GREEDY = SamplingParams(temperature=0.0)
-SMALL_LADDERS = dict(token_buckets=[8, 16, 32], request_buckets=[1, 2, 4])
+
+
+class _Ladders(TypedDict):
+    token_buckets: list[int]
+    request_buckets: list[int]
+
+
+SMALL_LADDERS = _Ladders(token_buckets=[8, 16, 32], request_buckets=[1, 2, 4])
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +35,9 @@ def hf_greedy(path, prompt: list[int], num_tokens: int) -> list[int]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     with torch.no_grad():
-        out = model.generate(
+        # transformers types GenerationMixin's self as a Protocol (written for `ty`) that pyright finds
+        # PreTrainedModel does not satisfy (hf_quantizer is declared, not set on the class).
+        out = model.generate(  # pyright: ignore[reportAttributeAccessIssue]
             torch.tensor([prompt]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False
         )
     return out[0, len(prompt) :].tolist()

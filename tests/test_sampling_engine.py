@@ -1,6 +1,7 @@
 """The full sampler end to end: logprobs vs transformers, seeds, distributions, constraints."""
 
 import dataclasses
+import functools
 import json
 import random
 
@@ -49,7 +50,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(hf_dir, cache_dir):
         request_buckets=[2],
         compilation_cache_dir=cache_dir,
     )
-    prompt = list(np.random.default_rng(0).integers(3, 259, 45))
+    prompt = np.random.default_rng(0).integers(3, 259, 45).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     completion = out.outputs[0]
@@ -57,6 +58,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(hf_dir, cache_dir):
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0].double()
     ref = torch.log_softmax(logits, -1).numpy()
+    assert completion.logprobs is not None and completion.cumulative_logprob is not None  # logprobs=5 asked
     for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
         row = ref[len(prompt) - 1 + i]
         assert abs(entry[token].logprob - row[token]) < 1e-4
@@ -70,9 +72,11 @@ def test_logprobs_and_prompt_logprobs_match_transformers(hf_dir, cache_dir):
         )
         < 1e-3
     )
+    assert out.prompt_logprobs is not None  # prompt_logprobs=3 asked
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for p in range(1, len(prompt)):
         entry, row = out.prompt_logprobs[p], ref[p - 1]
+        assert entry is not None  # only the first prompt token has none
         assert abs(entry[prompt[p]].logprob - row[prompt[p]]) < 1e-4
         assert len(entry) <= 4 and set(np.argsort(-row)[:3].tolist()) <= set(entry)
 
@@ -90,12 +94,13 @@ def test_processed_logprobs_follow_temperature_and_top_k(hf_dir, cache_dir):
         compilation_cache_dir=cache_dir,
         logprobs_mode="processed_logprobs",
     )
-    prompt = list(np.random.default_rng(2).integers(3, 259, 12))
+    prompt = np.random.default_rng(2).integers(3, 259, 12).tolist()
     params = SamplingParams(temperature=0.5, top_k=10, seed=4, max_tokens=4, logprobs=3, ignore_eos=True)
     completion = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0].double().numpy()
+    assert completion.logprobs is not None  # logprobs=3 asked
     for i, token in enumerate(completion.token_ids):
         z = logits[len(prompt) - 1 + i] / 0.5
         z = np.where(z >= np.sort(z)[-10], z, -np.inf)
@@ -272,16 +277,16 @@ def test_which_parameters_use_sampling_stages(params, uses):
     req_states = RequestState(2, 32, 2, 0, config, vocab)
     slot = req_states.add_request(NewRequestData("r", prompt, params, ([0],), 0, prefill_token_ids=prompt))
     assert req_states.plain_sampling[slot] == (not uses)
-    state = write_new_requests(
-        DeviceState.zeros(2, 32, 2, config, vocab), req_states.take_staged_rows(1), req_states.layout
-    )
+    staged = req_states.take_staged_rows(1)
+    assert staged is not None  # the request added above
+    state = write_new_requests(DeviceState.zeros(2, 32, 2, config, vocab), jnp.asarray(staged), req_states.layout)
     row = jax.tree.map(lambda a: a[slot : slot + 1], state.sampling)
     # The decode row that predicts the first output token.
     acting = stage_rows(row, jnp.array([len(prompt) - 1]))
     assert any(bool(rows[0]) for rows in acting.values()) is uses, acting
 
 
-def test_engine_takes_the_plain_path_and_samples_as_the_full_path(cache_dir):
+def test_engine_takes_the_plain_path_and_samples_as_the_full_path(cache_dir, monkeypatch):
     """The same seeded requests with logprobs (the full path) and without (the plain path)."""
     llm = LLM(
         "tiny-llama",
@@ -296,7 +301,12 @@ def test_engine_takes_the_plain_path_and_samples_as_the_full_path(cache_dir):
     programs = runner.compilation.sample
     paths = []
     get = programs.get
-    programs.get = lambda key: paths.append(key[1]) or get(key)
+
+    def recording_get(key: tuple[int, bool]) -> jax.stages.Compiled:
+        paths.append(key[1])
+        return get(key)
+
+    monkeypatch.setattr(programs, "get", recording_get)
     prompts = [[3, 9, 27, 81], [5, 25, 125], [7, 49]]
     params = [
         SamplingParams(temperature=t, seed=s, max_tokens=12, ignore_eos=True)
@@ -310,8 +320,10 @@ def test_engine_takes_the_plain_path_and_samples_as_the_full_path(cache_dir):
     assert set(paths) == {False}
     assert plain == full and len(set(plain[1])) > 3
     # What the plain path is for: no conditional, which on a GPU would wait for the device.
-    assert " conditional(" not in programs.get((4, True)).as_text()
-    assert " conditional(" in programs.get((4, False)).as_text()
+    plain_text, full_text = programs.get((4, True)).as_text(), programs.get((4, False)).as_text()
+    assert plain_text is not None and full_text is not None
+    assert " conditional(" not in plain_text
+    assert " conditional(" in full_text
 
 
 def test_constraints_through_the_engine(cache_dir):
@@ -326,15 +338,14 @@ def test_constraints_through_the_engine(cache_dir):
     )
     tok = llm.get_tokenizer()
     prompt = "Sampling constraints"
-    base = dict(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    base = functools.partial(SamplingParams, temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
     allowed = [tok.encode(c, add_special_tokens=False)[0] for c in "abc"]
     outs = llm.generate(
         [prompt] * 4,
         [
-            SamplingParams(**base, allowed_token_ids=allowed),
-            SamplingParams(**base, logit_bias={allowed[0]: 100.0}),
-            SamplingParams(
-                **base,
+            base(allowed_token_ids=allowed),
+            base(logit_bias={allowed[0]: 100.0}),
+            base(
                 bad_words=["a", "b", "e"],
                 allowed_token_ids=allowed + [tok.encode("e", add_special_tokens=False)[0]],
             ),

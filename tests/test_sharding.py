@@ -267,7 +267,7 @@ def test_mosaic_gpu_kernel_runs_per_kv_head_shard_in_the_interpreter():
     k, v = (jax.random.normal(key, (q.shape[0], 2, 64)) for key in jax.random.split(jax.random.key(1)))
     mesh = tp_mesh(2)
     reference_ops = AttentionBackend("reference")
-    mosaic_gpu = AttentionBackend.for_devices(mesh.devices.flat, "mosaic_gpu")  # interpreted on the CPU
+    mosaic_gpu = AttentionBackend.for_devices(list(mesh.devices.flat), "mosaic_gpu")  # interpreted on the CPU
     reference = jax.jit(lambda *a: write_and_attend(*a, mesh=None, backend=reference_ops, sm_scale=0.125))
     kernel = jax.jit(lambda *a: write_and_attend(*a, mesh=mesh, backend=mosaic_gpu, sm_scale=0.125))
     want, want_caches = reference(q, k, v, (k_cache, v_cache), metadata)

@@ -106,7 +106,9 @@ def _generate(manager: StructuredOutputManager, params: StructuredOutputsParams,
     else:
         pytest.fail(f"generation {seed} did not finish")
     manager.remove_request(req_id)
-    return manager.tokenizer.decode(tokens)
+    text = manager.tokenizer.decode(tokens)
+    assert isinstance(text, str)  # one sequence of ids decodes to one string
+    return text
 
 
 def _conforms(value, schema: dict) -> bool:

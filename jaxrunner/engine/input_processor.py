@@ -92,7 +92,7 @@ class InputProcessor:
 
     def _with_token_lists(self, params: SamplingParams) -> SamplingParams:
         """Add what the runner needs as token ids: min_tokens' stop ids and the bad words."""
-        stop_ids = list(params.stop_token_ids)
+        stop_ids = list(params.stop_token_ids or ())
         if self.eos_token_id is not None and not params.ignore_eos:
             stop_ids.append(self.eos_token_id)
         bad_words = []

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 import jax
 from jax.sharding import Mesh
@@ -177,19 +178,23 @@ class LLM:
         return self.tokenizer
 
     def _add(self, prompts: Prompt | Sequence[Prompt], sampling_params) -> tuple[list[str], dict[str, RequestOutput]]:
+        # One prompt (text, or token ids: ints) or several; an int first element does not narrow the type.
+        batch: Sequence[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+            batch = [cast(Prompt, prompts)]
+        else:
+            batch = cast(Sequence[Prompt], prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, (list, tuple)):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
+            sampling_params = [sampling_params] * len(batch)
+        if len(sampling_params) != len(batch):
             raise ValueError(
-                f"Got {len(sampling_params)} sampling params for {len(prompts)} prompts; give one or one each."
+                f"Got {len(sampling_params)} sampling params for {len(batch)} prompts; give one or one each."
             )
         replicas = self.replicas
         ids, refused = [], {}
-        for prompt, params in zip(prompts, sampling_params):
+        for prompt, params in zip(batch, sampling_params):
             request_id = replicas.next_request_id()
             ids.append(request_id)
             error = replicas.add_request(request_id, prompt, params)
@@ -241,10 +246,17 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, rendered by the tokenizer's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
+        # One conversation (a list of messages) or several; a dict first element does not narrow the type.
+        if messages and isinstance(messages[0], dict):
+            conversations = [cast(list[dict[str, str]], messages)]
+        else:
+            conversations = cast(list[list[dict[str, str]]], messages)
+        encoded = [
             self.tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=add_generation_prompt)
             for c in conversations
         ]
-        prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+        # tokenize=True: token ids, in a BatchEncoding (a Mapping) where the tokenizer returns a dict.
+        prompts: list[Prompt] = [
+            list(p["input_ids"]) if isinstance(p, Mapping) else cast(list[int], list(p)) for p in encoded
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

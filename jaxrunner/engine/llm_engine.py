@@ -168,6 +168,7 @@ class LLMEngine:
         if scheduler_output.total_num_scheduled_tokens > 0:
             grammar = None
             if self._has_grammars():
+                assert self.structured_outputs is not None  # _has_grammars checked it
                 grammar = self.structured_outputs.grammar_output(list(scheduler_output.num_scheduled_tokens))
             return self.runner.sample_tokens(grammar)
         return runner_output if runner_output is not None else ModelRunnerOutput.make_empty()

@@ -82,7 +82,9 @@ class OutputProcessor:
             )
             for request in requests
         ]
-        prompt_logprobs = [None] * len(token_ids) if params.prompt_logprobs is not None else None
+        prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        if params.prompt_logprobs is not None:
+            prompt_logprobs = [None for _ in token_ids]
         entry = _Prompt(request_id, prompt, token_ids, sequences, prompt_logprobs)
         self._prompts[request_id] = entry
         for seq in sequences:
@@ -91,7 +93,7 @@ class OutputProcessor:
     def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, token_ids, stop=list(params.stop))
+        return IncrementalDetokenizer(self.tokenizer, token_ids, stop=list(params.stop or ()))
 
     def abort(self, request_id: str) -> list[str]:
         """Stop tracking prompt ``request_id``; returns its sequences' request ids ([] if unknown)."""
@@ -151,6 +153,7 @@ class OutputProcessor:
         if runner_output.logprobs is None:
             return {}
         cu = runner_output.logprobs.cu_num_generated_tokens
+        assert cu is not None  # the runner's sample logprobs always carry their offsets
         return {req_id: range(cu[i], cu[i + 1]) for i, req_id in enumerate(runner_output.req_ids)}
 
     def _logprob_dict(self, ids, logprobs, chosen_rank: int, count: int) -> dict[int, Logprob]:
@@ -164,9 +167,11 @@ class OutputProcessor:
     def _record_logprobs(self, seq: _Sequence, runner_output: ModelRunnerOutput, rows: range) -> None:
         lists = runner_output.logprobs
         count = seq.request.sampling_params.logprobs
+        # Only a sequence that asked for logprobs (seq.logprobs set from them), in a step that returned some, gets here.
+        assert lists is not None and count is not None and seq.logprobs is not None
         for row in rows:
             entry = self._logprob_dict(
-                lists.logprob_token_ids[row], lists.logprobs[row], lists.sampled_token_ranks[row], count
+                lists.logprob_token_ids[row], lists.logprobs[row], int(lists.sampled_token_ranks[row]), count
             )
             seq.logprobs.append(entry)
             seq.cumulative_logprob += float(lists.logprobs[row][0])
@@ -177,9 +182,10 @@ class OutputProcessor:
             if entry is None or entry.prompt_logprobs is None or entry.sequences[0].request.request_id != req_id:
                 continue
             count = entry.sequences[0].request.sampling_params.prompt_logprobs
+            assert count is not None  # entry.prompt_logprobs is set only when they were asked for
             for i in range(len(lists.logprobs)):
                 entry.prompt_logprobs[first + i] = self._logprob_dict(
-                    lists.logprob_token_ids[i], lists.logprobs[i], lists.sampled_token_ranks[i], count
+                    lists.logprob_token_ids[i], lists.logprobs[i], int(lists.sampled_token_ranks[i]), count
                 )
 
     # ------------------------------------------------------ stop conditions

@@ -348,7 +348,7 @@ class Scheduler:
             if not params.ignore_eos and token == request.eos_token_id:
                 request.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if token in (params.stop_token_ids or ()):
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and num_output >= params.max_tokens:

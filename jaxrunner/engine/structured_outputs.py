@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import functools
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
 import llguidance.hf
@@ -29,6 +29,10 @@ import numpy as np
 import transformers
 
 from jaxrunner.interfaces import GrammarOutput
+
+if TYPE_CHECKING:
+    # A TypedDict of llguidance's stubs only (_lib.pyi): there is no such class at run time.
+    from llguidance._lib import JsonCompileOptions
 
 _KINDS = ("json", "regex", "choice", "grammar")
 _EXPECTED = {
@@ -87,12 +91,13 @@ def _llguidance_grammar(params: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             except json.JSONDecodeError as error:
                 raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {error}") from error
-        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        options: JsonCompileOptions = {"whitespace_flexible": not params.disable_any_whitespace}
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if params.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:
         return llguidance.grammar_from("choice", json.dumps(params.choice))
+    assert params.grammar is not None  # __post_init__: exactly one of the kinds is given
     return llguidance.grammar_from("grammar", params.grammar)
 
 
@@ -113,7 +118,9 @@ class StructuredOutputManager:
             raise ValueError("Structured outputs need a tokenizer with an EOS token, to end the constrained text.")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_id: int = tokenizer.eos_token_id
+        # transformers serves eos_token_id from __getattr__ (convert_tokens_to_ids of one token: an int);
+        # pyright infers the union of every return of that method.
+        self.eos_token_id: int = cast(int, tokenizer.eos_token_id)
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._compiled: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
         self._executor = llguidance.LLExecutor()
@@ -123,10 +130,13 @@ class StructuredOutputManager:
         """llguidance's view of the tokenizer; built on first use, as it takes about a second for a large vocabulary."""
         # llguidance needs room for every tokenizer id, even where the model has fewer.
         n_vocab = max(self.vocab_size, len(self.tokenizer))
-        return llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab, eos_token=self.eos_token_id)
+        # from_tokenizer reads fast tokenizers only, and raises ValueError itself for any other.
+        tokenizer = cast(transformers.PreTrainedTokenizerFast, self.tokenizer)
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=self.eos_token_id)
 
-    def add_request(self, req_id: str, params: StructuredOutputsParams) -> None:
-        """Constrain ``req_id``; raises ValueError (adding nothing) if the constraint is invalid."""
+    def add_request(self, req_id: str, params: object) -> None:
+        """Constrain ``req_id`` by ``params``, the user's ``SamplingParams.structured_outputs``; raises
+        ValueError (adding nothing) if it is no ``StructuredOutputsParams`` or its constraint is invalid."""
         if not isinstance(params, StructuredOutputsParams):
             raise ValueError(
                 f"SamplingParams.structured_outputs must be a StructuredOutputsParams, got {type(params).__name__}."

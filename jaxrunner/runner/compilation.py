@@ -29,7 +29,7 @@ from jaxrunner.config import CompilationConfig
 from jaxrunner.runner import step_functions
 from jaxrunner.runner.block_table import BlockTables
 from jaxrunner.runner.input_batch import SampleRows, StepShape
-from jaxrunner.runner.kv_cache import KVCaches, KVCacheSpec
+from jaxrunner.runner.kv_cache import KVCacheSpec
 from jaxrunner.runner.packed_rows import RowLayout
 from jaxrunner.runner.states import DeviceState, write_new_requests
 from jaxrunner.runner.step_functions import StepStatics
@@ -41,6 +41,13 @@ _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _PROFILE_NUM_BLOCKS = 16
 
 CompilerOptions = dict[str, str | bool | int]
+
+
+def _compile(lowered: jax.stages.Lowered, options: CompilerOptions) -> jax.stages.Compiled:
+    """``lowered.compile`` with XLA's ``options``."""
+    # jax annotates compiler_options as dict[str, str | bool], yet XLA's option overrides take ints as well.
+    return lowered.compile(compiler_options=options)  # pyright: ignore[reportArgumentType]
+
 
 # ---------------------------------------------------------------- ladders
 
@@ -109,7 +116,7 @@ class CompileCounter:
             cls._installed = True
 
     @classmethod
-    def _on_event(cls, event: str, duration: float, **kwargs: Any) -> None:
+    def _on_event(cls, event: str, duration_secs: float, **kwargs: Any) -> None:
         if event == _BACKEND_COMPILE_EVENT:
             with cls._lock:
                 cls._count += 1
@@ -160,7 +167,7 @@ class CompiledPrograms:
         """The program for ``bucket``, lowered and compiled (with the bucket's ``compiler_options``) on first use."""
         program = self._programs.get(bucket)
         if program is None:
-            program = self._lower(bucket).compile(compiler_options=self._compiler_options(bucket))
+            program = _compile(self._lower(bucket), self._compiler_options(bucket))
             self._programs[bucket] = program
         return program
 
@@ -302,10 +309,8 @@ class CompilationManager:
     def profile_run(self) -> int:
         """Activation bytes of the largest steps, from XLA's memory analysis of their programs."""
         tokens, reqs = self.token_buckets[-1], self.request_buckets[-1]
-        forward = self._lower_forward(tokens, _PROFILE_NUM_BLOCKS).compile(
-            compiler_options=self.compiler_options(tokens)
-        )
-        sample = self._lower_sample(reqs, _PROFILE_NUM_BLOCKS).compile(compiler_options=self.compiler_options(reqs))
+        forward = _compile(self._lower_forward(tokens, _PROFILE_NUM_BLOCKS), self.compiler_options(tokens))
+        sample = _compile(self._lower_sample(reqs, _PROFILE_NUM_BLOCKS), self.compiler_options(reqs))
         total = 0
         for program in (forward, sample):
             analysis = program.memory_analysis()
@@ -334,7 +339,7 @@ class CompilationManager:
         """A step input from the host: replicated over the mesh."""
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self.inputs.replicated)
 
-    def _draft_kv(self, num_blocks: int) -> KVCaches:
+    def _draft_kv(self, num_blocks: int) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
         spec = self.inputs.draft_kv_cache
         return [] if spec is None else spec.abstract(num_blocks, self.inputs.cache_sharding)
 

@@ -59,7 +59,8 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, sharding: jax.shardin
 def determine_num_blocks(
     spec: KVCacheSpec,
     cache_config: CacheConfig,
-    device: jax.Device,
+    # jax/__init__.py assigns jax.Device (``Device = _xc.Device``), which pyright takes for a variable.
+    device: jax.Device,  # pyright: ignore[reportInvalidTypeForm]
     activation_bytes: int,
     max_useful_blocks: int,
     extra_bytes_per_block: int = 0,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ from jaxrunner.interfaces import (
     SchedulerOutput,
 )
 from jaxrunner.models import CausalLM, TransformerConfig
+from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.loader import load_eagle_head
 from jaxrunner.models.partitioning import param_shardings
 from jaxrunner.ops import AttentionBackend
@@ -73,6 +74,9 @@ from jaxrunner.sharding import kv_cache_sharding, make_mesh, min_over_processes,
 from jaxrunner.spans import Spans
 
 logger = logging.getLogger(__name__)
+
+# The modules a runner checks against its mesh: the model, a draft model, an EAGLE head.
+_OnMesh = TypeVar("_OnMesh", CausalLM, EagleHead)
 
 
 class _Dispatched(NamedTuple):
@@ -108,7 +112,7 @@ class ModelRunner:
             )
         self.replicated = replicated(self.mesh)
         self.kv_cache_sharding = kv_cache_sharding(self.mesh)
-        self.attention_backend = AttentionBackend.for_devices(self.mesh.devices.flat)
+        self.attention_backend = AttentionBackend.for_devices(list(self.mesh.devices.flat))
         self.model_config = config.model_config
         self.cache_config = config.cache_config
         self.max_num_reqs = config.scheduler_config.max_num_seqs
@@ -220,6 +224,8 @@ class ModelRunner:
             head = draft_model or load_eagle_head(
                 self._draft_model_name(), dtype=self.model_config.dtype, mesh=self.mesh
             )
+            if not isinstance(head, EagleHead):
+                raise TypeError(f"EAGLE speculative decoding drafts with an EagleHead, not a {type(head).__name__}.")
             return EagleDrafter.from_head(
                 self._built_for_mesh(head), self.block_size, kv_dtype, self.model_arch.hidden_size
             )
@@ -239,7 +245,7 @@ class ModelRunner:
             replicated=self.replicated,
         )
 
-    def _built_for_mesh(self, module: nnx.Module) -> nnx.Module:
+    def _built_for_mesh(self, module: _OnMesh) -> _OnMesh:
         """``module``, checked to shard its attention over this runner's mesh (any mesh does for one device)."""
         if tensor_parallel_size(self.mesh) > 1 and module.mesh != self.mesh:
             raise ValueError(
@@ -351,6 +357,7 @@ class ModelRunner:
                 check_round_output(grammar_output)
                 return output
             tokens, logprobs = self.sample(dispatched, grammar_output)
+            assert dispatched.hidden is not None  # a forward's dispatch (no tokens yet) carries its hidden states
             prompt_logprobs = self.prompt_logprobs.compute(
                 dispatched.batch, dispatched.hidden, self.req_states.num_computed_tokens, self._param_leaves
             )

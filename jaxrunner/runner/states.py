@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +191,7 @@ class RequestState:
         return len(self._staged_rows)
 
 
+@runtime_checkable
 class RequestFeatureState(Protocol):
     """One runner feature's per-request state, kept beside the slots (vLLM's ``gpu/sample/`` states).
 

@@ -207,8 +207,8 @@ def sample(
     token_ids: Int[Array, "max_reqs max_model_len"],
     idx_mapping: Int[Array, " num_rows"],
     positions: Int[Array, " num_rows"],
-    grammar_bitmask: Int[Array, "num_rows bitmask_words"],
-    grammar_active: Bool[Array, " num_rows"],
+    grammar_bitmask: Int[Array, "num_rows bitmask_words"] | None,
+    grammar_active: Bool[Array, " num_rows"] | None,
     *,
     max_logprobs: int,
     logprobs_mode: str,
@@ -221,10 +221,12 @@ def sample(
     zeros. The tokens are the full path's: every stage works row by row and
     leaves a row with neutral parameters unchanged, and the tokens of rows that
     do not sample (padding, a prefill chunk before its last) are dropped.
+    The grammar arguments may be None on the plain path only, which applies no grammar.
     """
     if plain:
         tokens = draw(plain_logits(logits, sampling, idx_mapping), positions, conditional=False)
         return SamplerOutput(tokens, no_logprobs(logits.shape[0], max_logprobs))
+    assert grammar_bitmask is not None and grammar_active is not None, "the full path applies the grammar"
     prepared = prepare_logits(logits, sampling, token_ids, idx_mapping, positions, grammar_bitmask, grammar_active)
     tokens = draw(prepared, positions)
     source = prepared.raw if logprobs_mode.startswith("raw") else prepared.tempered

@@ -253,7 +253,7 @@ def _scores(q_smem, k_smem, interpreted: bool, after_issue=None) -> Float[Array,
             after_issue()
         return acc_ref[...]
 
-    return pl.run_scoped(qk, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
+    return pl.run_scoped(qk, plgpu.WGMMAAccumulatorRef((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
 
 
 def _accumulate_values(
@@ -273,13 +273,14 @@ def _accumulate_values(
         plgpu.wgmma(acc_ref, p, v_smem)
 
     if in_place:
-        return pl.run_state(pv)(plgpu.ACC.init(acc * scale))
+        # run_state returns the ref's final value, an array; jax annotates it as returning its argument's type.
+        return pl.run_state(pv)(plgpu.WGMMAAccumulatorRef.init(acc * scale))  # pyright: ignore[reportReturnType]
 
     def fresh(acc_ref):
         pv(acc_ref)
         return acc_ref[...]
 
-    pv_out = pl.run_scoped(fresh, plgpu.ACC((p.shape[0], v_smem.shape[1]), jnp.float32))
+    pv_out = pl.run_scoped(fresh, plgpu.WGMMAAccumulatorRef((p.shape[0], v_smem.shape[1]), jnp.float32))
     return acc * scale + pv_out
 
 

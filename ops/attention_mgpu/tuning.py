@@ -142,7 +142,7 @@ def choose_config(
     as three ring stages as shared memory holds beside the queries.
 
     Each of these switches was the faster side of its sweep on the GPU
-    (``benchmarks/RESULTS.md``: "The tuning table's neighbours" for decode,
+    (``benchmarks/history/RESULTS.md``: "The tuning table's neighbours" for decode,
     "Prefill schedule swept by device time" for prefill).
     """
     decode_like = num_tokens * group <= num_reqs * ROWS_PER_WG

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrunner.models import CausalLM
+from jaxrunner.models.eagle import EagleHead
 from jaxrunner.ops import AttentionBackend, AttentionMetadata
 from jaxrunner.runner.block_table import compute_slot_mapping
 from jaxrunner.runner.kv_cache import KVCaches, KVCacheSpec
 
 
+@runtime_checkable
 class Drafter(Protocol):
     """A proposer on the device: a draft model or an EAGLE head, split for jit."""
 
@@ -71,7 +73,7 @@ class DeviceDrafter:
     kv_spec: KVCacheSpec
 
     @classmethod
-    def split(cls, module: nnx.Module, block_size: int, kv_dtype):
+    def split(cls, module: CausalLM | EagleHead, block_size: int, kv_dtype):
         """A drafter of ``module``: its graph, its parameters and its KV cache's spec (``block_size``, ``kv_dtype``)."""
         config = module.config
         graphdef, params = nnx.split(module)
