@@ -192,13 +192,8 @@ def default_cache_dir() -> str:
     return os.path.join(envs.XDG_CACHE_HOME, "jaxrunner", "xla")
 
 
-# XLA's own GEMM emitter (Triton) against cuBLAS for a decode step's projections, at 64 rows
-# on an H100: q/k/v at 65% of the copy rate against 88%, o 55% against 83%, down 81% against
-# 96% (``benchmarks/matmul_step.py``). XLA's autotuner times its candidates on the same
-# buffers again and again, where a 50 MB weight stays in L2; a decode step reads it from memory.
-# Whole decode steps on one H100 (``benchmarks/decode_step.py --compiler-options``): cuBLAS
-# 1% to 3% faster at 64 rows, XLA's choice 4% to 6% faster at 1 and 16 rows; so cuBLAS takes
-# programs of at least this many rows. At prefill sizes both run alike.
+# Step programs of at least this many rows take cuBLAS for their matmuls, fewer XLA's own GEMMs: each
+# ran the decode step faster on its side (``benchmarks/decisions/cublas_from_64_rows.md``).
 CUBLAS_MIN_ROWS = 64
 CUBLAS_GEMMS: dict[str, str | bool | int] = {"xla_gpu_enable_triton_gemm": False}
 
@@ -218,7 +213,6 @@ class CompilationConfig:
 
     token_buckets: list[int] | None = None
     request_buckets: list[int] | None = None
-    precompile: bool = True
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
     compiler_options: dict[str, str | bool | int] | None = None
 
