@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
 from jaxrunner.models.sharded_attention import write_and_attend
@@ -203,7 +204,7 @@ def apply_rope(
 class RMSNorm(nnx.Module):
     """Root-mean-square norm over the last axis, statistics in float32."""
 
-    def __init__(self, dim: int, eps: float, *, dtype: jnp.dtype, param_dtype: jnp.dtype):
+    def __init__(self, dim: int, eps: float, *, dtype: DTypeLike, param_dtype: DTypeLike):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
         self.eps = eps
         self.dtype = dtype

@@ -50,7 +50,7 @@ class Drafter(Protocol):
         params: nnx.State,
         kv_caches: KVCaches,
         target: CausalLM,
-        block_table: Int[Array, "num_rows max_blocks_per_req"],
+        block_table: Int[Array, "max_reqs max_blocks_per_req"],
         slots: Int[Array, " num_rows"],
         last_tokens: Int[Array, " num_rows"],
         positions: Int[Array, " num_rows"],
@@ -97,7 +97,7 @@ DraftStep = Callable[
 def decode_drafts(
     step: DraftStep,
     kv_caches: KVCaches,
-    block_table: Int[Array, "num_rows max_blocks_per_req"],
+    block_table: Int[Array, "max_reqs max_blocks_per_req"],
     slots: Int[Array, " num_rows"],
     last_tokens: Int[Array, " num_rows"],
     positions: Int[Array, " num_rows"],

@@ -65,7 +65,7 @@ class EagleDrafter(DeviceDrafter):
         params: nnx.State,
         kv_caches: KVCaches,
         target: CausalLM,
-        block_table: Int[Array, "num_rows max_blocks_per_req"],
+        block_table: Int[Array, "max_reqs max_blocks_per_req"],
         slots: Int[Array, " num_rows"],
         last_tokens: Int[Array, " num_rows"],
         positions: Int[Array, " num_rows"],
