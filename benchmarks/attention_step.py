@@ -53,6 +53,7 @@ from jaxrunner.ops.attention_backend import AttentionBackend
 from jaxrunner.ops.attention_metadata import AttentionMetadata
 from jaxrunner.ops.attention_mgpu import (
     KernelConfig,
+    compute_dtype,
     config_for,
     launch_kernel,
     prepare_tiles,
@@ -61,6 +62,7 @@ from jaxrunner.ops.attention_mgpu import (
 from jaxrunner.ops.attention_reference import ragged_paged_attention_reference
 
 BLOCK_SIZE = 16
+CACHE_DTYPES = {"bfloat16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +134,16 @@ def seconds(fn, *args, repeats: int = 10, traced_repeats: int = 3, inner: int = 
     return result
 
 
-def make_case(q_lens: list[int], seq_lens: list[int], heads: Heads, block_size: int = BLOCK_SIZE, seed: int = 0):
-    """q, paged caches of ``block_size``-token pages with shuffled block tables, and metadata for these requests."""
+def make_case(
+    q_lens: list[int],
+    seq_lens: list[int],
+    heads: Heads,
+    block_size: int = BLOCK_SIZE,
+    seed: int = 0,
+    cache_dtype=jnp.bfloat16,
+):
+    """q, paged caches of ``block_size``-token pages with shuffled block tables, and metadata for these requests;
+    the caches in ``cache_dtype`` (bf16 values rounded to FP8 for an FP8 cache), q in bf16."""
     rng = np.random.default_rng(seed)
     blocks = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks) + 1
@@ -150,8 +160,8 @@ def make_case(q_lens: list[int], seq_lens: list[int], heads: Heads, block_size: 
     )
     key = jax.random.key(seed)
     shape = (num_blocks, block_size, heads.num_kv, heads.dim)
-    k_cache = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.bfloat16)
-    v_cache = jax.random.normal(jax.random.fold_in(key, 2), shape, jnp.bfloat16)
+    k_cache = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.bfloat16).astype(cache_dtype)
+    v_cache = jax.random.normal(jax.random.fold_in(key, 2), shape, jnp.bfloat16).astype(cache_dtype)
     q = jax.random.normal(jax.random.fold_in(key, 3), (num_tokens, heads.num_q, heads.dim), jnp.bfloat16)
     return q, k_cache, v_cache, metadata
 
@@ -162,8 +172,9 @@ def max_rel_error(got, expected) -> float:
     return float(jnp.max(jnp.abs(got - expected)) / jnp.max(jnp.abs(expected)))
 
 
-def kv_bytes(seq_lens: list[int], heads: Heads) -> int:
-    return 2 * sum(seq_lens) * heads.num_kv * heads.dim * 2
+def kv_bytes(seq_lens: list[int], heads: Heads, itemsize: int = 2) -> int:
+    """Bytes of K and V the requests' keys take in a cache of ``itemsize``-byte elements."""
+    return 2 * sum(seq_lens) * heads.num_kv * heads.dim * itemsize
 
 
 def causal_flops(q_lens: list[int], seq_lens: list[int], heads: Heads) -> float:
@@ -177,6 +188,7 @@ def kernel_only(q, k_cache, v_cache, metadata, heads: Heads):
     to show how the time splits between them."""
     config = config_for(q, k_cache, metadata)
     prepare = jax.jit(prepare_tiles, static_argnums=(1, 3), static_argnames="sliding_window")
+    q = q.astype(compute_dtype(q.dtype, k_cache.dtype))
     schedule, q_tiles = prepare(q, heads.num_kv, metadata, config, sliding_window=None)
 
     def fn(q_tiles, fields, block_tables, k_cache, v_cache, **kwargs):
@@ -253,7 +265,7 @@ def lengths(kind: str, batch: int, context: int) -> tuple[list[int], list[int]]:
 
 def baseline(kind, q, k_cache, v_cache, metadata, q_lens):
     """The shipped kernel that applies to this case, as (fn, args), or None (always off a GPU: they are GPU kernels)."""
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu" or k_cache.dtype.itemsize != 2:  # GPU kernels over 16-bit caches
         return None
     if kind == "decode":
         return decode_baseline(q, k_cache, v_cache, metadata)
@@ -276,20 +288,24 @@ def run_case(
     block_size: int = BLOCK_SIZE,
     repeats: int = 10,
     implementations=IMPLEMENTATIONS,
+    cache_dtype=jnp.bfloat16,
 ) -> dict:
     q_lens, seq_lens = lengths(kind, batch, context)
-    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, heads, block_size)
+    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, heads, block_size, cache_dtype=cache_dtype)
     ours = jax.jit(
         functools.partial(
             ragged_paged_attention_mgpu, sm_scale=heads.sm_scale, interpret=AttentionBackend.default().interpreter()
         )
     )
-    ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=heads.sm_scale))
+    # The reference reads the cache's values widened to q's dtype (exact for FP8).
+    reference = functools.partial(ragged_paged_attention_reference, sm_scale=heads.sm_scale)
+    ref = jax.jit(lambda q, k, v, metadata: reference(q, k.astype(q.dtype), v.astype(q.dtype), metadata))
     row = {
         "kind": kind,
         "batch": batch,
         "context": context,
-        "kv_bytes": kv_bytes(seq_lens, heads),
+        "cache_dtype": jnp.dtype(cache_dtype).name,
+        "kv_bytes": kv_bytes(seq_lens, heads, jnp.dtype(cache_dtype).itemsize),
         "flops": causal_flops(q_lens, seq_lens, heads),
     }
     started = time.perf_counter()
@@ -484,6 +500,12 @@ def main() -> None:
         help="what to time (off a GPU our kernel is interpreted: half a minute a call)",
     )
     parser.add_argument("--floor-elements", type=int, default=1 << 30, help="bf16 elements of the copy test (2 GiB)")
+    parser.add_argument(
+        "--cache-dtype",
+        choices=sorted(CACHE_DTYPES),
+        default="bfloat16",
+        help="the KV cache's dtype (fp8: bytes and bandwidth count FP8 bytes)",
+    )
     args = parser.parse_args()
     heads = HEADS[args.heads]
     facts = device_facts()
@@ -502,7 +524,17 @@ def main() -> None:
     rows = []
     for kind, batch, context in args.only or CASES:
         try:
-            row = run_case(kind, batch, context, floors, heads, args.block_size, args.repeats, args.implementations)
+            row = run_case(
+                kind,
+                batch,
+                context,
+                floors,
+                heads,
+                args.block_size,
+                args.repeats,
+                args.implementations,
+                CACHE_DTYPES[args.cache_dtype],
+            )
         except Exception as exc:
             row = {
                 "kind": kind,

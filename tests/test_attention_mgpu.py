@@ -40,13 +40,22 @@ class _Shape(TypedDict):
 SMALL = _Shape(num_q_heads=4, num_kv_heads=2, head_dim=64)
 
 
-def _kernel_vs_reference(case: Case, seed: int, config: KernelConfig | None, tol: float, interpret) -> None:
+def _kernel_vs_reference(
+    case: Case, seed: int, config: KernelConfig | None, tol: float, interpret, cache_dtype=None
+) -> None:
+    """The kernel against the reference on one random case; with ``cache_dtype`` (FP8) the caches are
+    quantized to it, and the reference reads the same values widened to q's dtype (exactly)."""
     q, k_cache, v_cache, metadata = _make_inputs(case, seed)
     kwargs = dict(sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
     kernel = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, config=config, interpret=interpret, **kwargs))
     reference = jax.jit(lambda *a: ragged_paged_attention(*a, impl="reference", **kwargs))
-    got = np.asarray(kernel(q, k_cache, v_cache, metadata), np.float64)
-    want = np.asarray(reference(q, k_cache, v_cache, metadata), np.float64)
+    if cache_dtype is not None:
+        k_cache, v_cache = (c.astype(cache_dtype) for c in (k_cache, v_cache))
+        got = np.asarray(kernel(q, k_cache, v_cache, metadata), np.float64)
+        want = np.asarray(reference(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), metadata), np.float64)
+    else:
+        got = np.asarray(kernel(q, k_cache, v_cache, metadata), np.float64)
+        want = np.asarray(reference(q, k_cache, v_cache, metadata), np.float64)
     _check(case, got, want, tol)
 
 
@@ -71,6 +80,27 @@ def _kernel_vs_reference(case: Case, seed: int, config: KernelConfig | None, tol
 # run it through the table's prefill configs, and the CUDA lowering test below covers it.
 def test_interpreted_kernel_matches_reference(case, config, tol):
     _kernel_vs_reference(case, seed=3, config=config, tol=tol, interpret=mosaic_gpu_interpreter())
+
+
+@pytest.mark.parametrize(
+    "case, config, cache_dtype",
+    [
+        # Decode-like: one compute warpgroup, 4-page stages over a 2-deep ring (refills), split in two.
+        (
+            Case(reqs=MIXED, dtype=jnp.bfloat16, **SMALL),
+            KernelConfig(4, 2, 1, 2, accumulate_in_place=True),
+            jnp.float8_e4m3fn,
+        ),
+        # Odd lengths, one-page stages, two compute warpgroups each widening the stage for itself.
+        (Case(reqs=ODD, dtype=jnp.bfloat16, **SMALL), KernelConfig(1, 3, 2, 1), jnp.float8_e5m2),
+    ],
+    ids=["e4m3-mixed-split", "e5m2-odd-2wg"],
+)
+def test_interpreted_kernel_over_fp8_cache_matches_reference(case, config, cache_dtype):
+    """FP8 pages widened on chip give the reference's attention over the same values."""
+    _kernel_vs_reference(
+        case, seed=5, config=config, tol=1e-2, interpret=mosaic_gpu_interpreter(), cache_dtype=cache_dtype
+    )
 
 
 def test_tile_schedule_covers_every_row_once():
@@ -131,6 +161,11 @@ def test_kernel_takes_only_the_cases_it_supports():
     assert not kernel_supports(jnp.bfloat16, 96, 16)
     assert not kernel_supports(jnp.bfloat16, 128, 48)  # a stage of 48 keys is no wgmma K
     assert not kernel_supports(jnp.bfloat16, 256, 128)  # two 128-key pages of D=256 and the queries: 320 KiB
+    assert kernel_supports(jnp.bfloat16, 128, 16, jnp.float8_e4m3fn) and kernel_supports(
+        jnp.float16, 64, 16, jnp.float8_e5m2
+    )
+    assert not kernel_supports(jnp.bfloat16, 128, 16, jnp.float16)  # a 16-bit cache is q's dtype
+    assert not kernel_supports(jnp.bfloat16, 256, 16, jnp.float8_e4m3fn)  # the widened stages do not fit beside D=256
 
 
 @pytest.mark.parametrize(
@@ -138,19 +173,26 @@ def test_kernel_takes_only_the_cases_it_supports():
     [(d, b) for d in (64, 128, 256) for b in (8, 16, 32, 64, 128) if kernel_supports(jnp.bfloat16, d, b)],
 )
 def test_table_configs_fit_in_shared_memory(head_dim, block_size):
-    """Queries, ring and (split) log-sum-exps of every config the table picks for a supported case."""
+    """Queries, ring, (split) log-sum-exps and (FP8) widened stages of every config the table picks
+    for a supported case."""
     max_blocks = 32768 // block_size
-    for num_tokens, num_reqs in [(1, 1), (64, 64), (256, 1), (8192, 1), (2048, 8)]:
-        config = choose_config(num_tokens, num_reqs, 4, 8, head_dim, block_size, max_blocks, 2)
-        used = program_shared_memory(config, head_dim, block_size, 2)
-        assert used <= SHARED_MEMORY_BYTES, (num_tokens, num_reqs, config, used)
+    cache_itemsizes = [2] + ([1] if kernel_supports(jnp.bfloat16, head_dim, block_size, jnp.float8_e4m3fn) else [])
+    for cache_itemsize in cache_itemsizes:
+        for num_tokens, num_reqs in [(1, 1), (64, 64), (256, 1), (8192, 1), (2048, 8)]:
+            config = choose_config(
+                num_tokens, num_reqs, 4, 8, head_dim, block_size, max_blocks, 2, cache_itemsize=cache_itemsize
+            )
+            used = program_shared_memory(config, head_dim, block_size, 2, cache_itemsize)
+            assert used <= SHARED_MEMORY_BYTES, (num_tokens, num_reqs, cache_itemsize, config, used)
 
 
-def _lower_for_cuda(num_tokens: int, num_reqs: int, max_blocks: int, head_dim: int, dtype, config: KernelConfig):
+def _lower_for_cuda(
+    num_tokens: int, num_reqs: int, max_blocks: int, head_dim: int, dtype, config: KernelConfig, cache_dtype=None
+):
     """The kernel at 32 query / 8 KV heads lowered for CUDA: Mosaic GPU's own checks of shapes, copies, layouts."""
     spec = jax.ShapeDtypeStruct
     q = spec((num_tokens, 32, head_dim), dtype)
-    cache = spec((4096, 16, 8, head_dim), dtype)
+    cache = spec((4096, 16, 8, head_dim), cache_dtype or dtype)
     zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
     metadata = jax.eval_shape(  # shapes only: AttentionMetadata's fields are arrays
         lambda: AttentionMetadata(zeros(num_reqs + 1), zeros(num_reqs), zeros(num_reqs, max_blocks), zeros(num_tokens))
@@ -175,17 +217,31 @@ SWITCHES = {
 }
 
 
-@pytest.mark.parametrize("head_dim, dtype", [(128, jnp.bfloat16), (64, jnp.float16), (256, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "head_dim, dtype, cache_dtype",
+    [
+        (128, jnp.bfloat16, None),
+        (64, jnp.float16, None),
+        (256, jnp.bfloat16, None),
+        (128, jnp.float16, jnp.float8_e4m3fn),
+        (64, jnp.float16, jnp.float8_e5m2),
+    ],
+    ids=["bf16-128", "f16-64", "bf16-256", "fp8-128", "fp8-64"],
+)
 @pytest.mark.parametrize(
     "case, switches",
     # Ping-pong takes two compute warpgroups: prefill only.
     [(c, s) for c in sorted(LOWERED_CASES) for s in sorted(SWITCHES) if s != "pingpong" or c.startswith("prefill")],
 )
-def test_kernel_lowers_for_cuda_with_every_config_it_may_run(case, switches, head_dim, dtype):
+def test_kernel_lowers_for_cuda_with_every_config_it_may_run(case, switches, head_dim, dtype, cache_dtype):
     num_tokens, num_reqs, max_blocks = LOWERED_CASES[case]
-    config = choose_config(num_tokens, num_reqs, 4, 8, head_dim, 16, max_blocks, jnp.dtype(dtype).itemsize)
+    itemsize = jnp.dtype(dtype).itemsize
+    cache_itemsize = jnp.dtype(cache_dtype or dtype).itemsize
+    config = choose_config(
+        num_tokens, num_reqs, 4, 8, head_dim, 16, max_blocks, itemsize, cache_itemsize=cache_itemsize
+    )
     config = dataclasses.replace(config, **SWITCHES[switches])
-    lowered = _lower_for_cuda(num_tokens, num_reqs, max_blocks, head_dim, dtype, config)
+    lowered = _lower_for_cuda(num_tokens, num_reqs, max_blocks, head_dim, dtype, config, cache_dtype)
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -215,6 +271,22 @@ GPU_CASES = {
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
 def test_compiled_kernel_matches_reference(name):
     _kernel_vs_reference(GPU_CASES[name], seed=7, config=None, tol=1e-2, interpret=None)
+
+
+# FP8 caches at real sizes: decode, a mixed batch, a prefill, and head_dim 64 (64-byte FP8 rows).
+GPU_FP8_CASES = {
+    "decode-64x4k-e4m3": (GPU_CASES["decode-64x4k"], jnp.float8_e4m3fn),
+    "mixed-e4m3": (GPU_CASES["mixed"], jnp.float8_e4m3fn),
+    "prefill-2k-e5m2": (GPU_CASES["prefill-2k"], jnp.float8_e5m2),
+    "head-dim-64-e4m3": (GPU_CASES["head-dim-64"], jnp.float8_e4m3fn),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_FP8_CASES))
+def test_compiled_kernel_over_fp8_cache_matches_reference(name):
+    case, cache_dtype = GPU_FP8_CASES[name]
+    _kernel_vs_reference(case, seed=7, config=None, tol=1e-2, interpret=None, cache_dtype=cache_dtype)
 
 
 @pytest.mark.gpu

@@ -48,6 +48,8 @@ COMMANDS = {
         "prefill:1:64",
         "--implementations",
         "reference",
+        "--cache-dtype",
+        "fp8_e4m3",
         "--repeats",
         "1",
         "--floor-elements",
@@ -174,7 +176,9 @@ def test_attention_step_times_the_reference_against_the_floors(runs):
     assert_stamped(result)
     assert [(c["kind"], c["batch"], c["context"]) for c in result["cases"]] == [("decode", 2, 64), ("prefill", 1, 64)]
     for case in result["cases"]:
-        assert case["kv_bytes"] > 0 and case["flops"] > 0 and case["reference_s"] > 0
+        assert case["cache_dtype"] == "float8_e4m3fn"
+        assert case["kv_bytes"] == 2 * case["context"] * case["batch"] * 2 * 64  # FP8: one byte a K or V element
+        assert case["flops"] > 0 and case["reference_s"] > 0
         assert case["reference_kv_bw_fraction"] > 0 and case["reference_matmul_fraction"] > 0
         assert "ours_s" not in case and "error" not in case
 

@@ -16,7 +16,7 @@ from jaxrunner.ops.attention_mgpu.tuning import (
     kernel_supports,
     program_shared_memory,
 )
-from jaxrunner.ops.attention_mgpu.wrapper import prepare_tiles, ragged_paged_attention_mgpu
+from jaxrunner.ops.attention_mgpu.wrapper import compute_dtype, prepare_tiles, ragged_paged_attention_mgpu
 
 __all__ = [
     "SHARED_MEMORY_BYTES",
@@ -24,6 +24,7 @@ __all__ = [
     "TileSchedule",
     "choose_config",
     "choose_splits",
+    "compute_dtype",
     "config_for",
     "kernel_supports",
     "launch_kernel",

@@ -13,6 +13,11 @@ compute warpgroup holds 64 rows of the tile and all walk the same KV stages.
 * Flash decoding. With ``num_kv_splits > 1`` each tile's KV range is cut into that
   many contiguous stage ranges, each written as a partial output (in q's dtype)
   with its log-sum-exp, for the wrapper to combine.
+* FP8 caches. Pages arrive by TMA as FP8 (half the bytes of bf16); each compute
+  warpgroup widens a stage's keys and values to q's 16-bit dtype into shared
+  memory of its own, releases the FP8 stage at once, and runs wgmma on the
+  widened copy. Widening is exact (every FP8 value is a float16); the cache's
+  scales are applied outside the kernel.
 
 Outputs go to a tile-major buffer: every tile writes whole 64-row blocks, so no
 program writes another's rows.
@@ -62,6 +67,7 @@ def _kernel_body(
     """One program: (split, tile, kv head). Warpgroups ``0..n-1`` compute, ``n`` copies."""
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
+    widen = k_ref.dtype != dtype  # an FP8 cache, widened to q's dtype on chip
     n_wg = config.num_compute_wgs
     pages = config.pages_per_stage
     stages = config.num_stages
@@ -99,7 +105,7 @@ def _kernel_body(
     if sliding_window:
         full_lo = jnp.clip((kv_end - sliding_window + stage_keys - 1) // stage_keys, lo, full_hi)
 
-    def scoped(q_smem, lse_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, turn):
+    def scoped(q_smem, lse_smem, k_smem, v_smem, k_wide, v_wide, q_bar, k_bar, v_bar, k_free, v_free, turn):
         wg = lax.axis_index("wg")
 
         def rendezvous():
@@ -133,8 +139,13 @@ def _kernel_body(
                 acc, row_max, row_sum = carry
                 slot = lax.rem(stage - lo, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
-                s = _scores(q_smem.at[wg], k_smem.at[slot], interpreted, rendezvous if config.pingpong else None)
-                plgpu.barrier_arrive(k_free.at[slot])
+                if widen:
+                    keys = _widened(k_smem.at[slot], k_wide.at[wg])
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    s = _scores(q_smem.at[wg], keys, interpreted, rendezvous if config.pingpong else None)
+                else:
+                    s = _scores(q_smem.at[wg], k_smem.at[slot], interpreted, rendezvous if config.pingpong else None)
+                    plgpu.barrier_arrive(k_free.at[slot])
                 if soft_cap:
                     s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2_E)
                 else:
@@ -151,10 +162,13 @@ def _kernel_body(
                     plgpu.barrier_wait(turn)
                 else:
                     plgpu.barrier_wait(v_bar.at[slot])
-                acc = _accumulate_values(
-                    acc, alpha, p.astype(dtype), v_smem.at[slot], config.accumulate_in_place, interpreted
-                )
-                plgpu.barrier_arrive(v_free.at[slot])
+                values = v_smem.at[slot]
+                if widen:
+                    values = _widened(values, v_wide.at[wg])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                acc = _accumulate_values(acc, alpha, p.astype(dtype), values, config.accumulate_in_place, interpreted)
+                if not widen:
+                    plgpu.barrier_arrive(v_free.at[slot])
                 return acc, row_max_new, row_sum
 
             carry = (acc, row_max, row_sum)
@@ -215,13 +229,17 @@ def _kernel_body(
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
-    tiled = _smem_transforms(dtype)
+    tiled = _smem_transforms(dtype, head_dim)
+    ring_tiled = _smem_transforms(k_ref.dtype, head_dim)
+    wide = plgpu.SMEM((n_wg, stage_keys, head_dim), dtype, transforms=tiled) if widen else None
     pl.run_scoped(
         scoped,
         plgpu.SMEM((n_wg, ROWS_PER_WG, head_dim), dtype, transforms=tiled),
         plgpu.SMEM((n_wg, ROWS_PER_WG), jnp.float32) if lse_ref is not None else None,
-        plgpu.SMEM((stages, stage_keys, head_dim), dtype, transforms=tiled),
-        plgpu.SMEM((stages, stage_keys, head_dim), dtype, transforms=tiled),
+        plgpu.SMEM((stages, stage_keys, head_dim), k_ref.dtype, transforms=ring_tiled),
+        plgpu.SMEM((stages, stage_keys, head_dim), v_ref.dtype, transforms=ring_tiled),
+        wide,
+        wide,
         plgpu.Barrier(num_barriers=n_wg),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
@@ -284,15 +302,23 @@ def _accumulate_values(
     return acc * scale + pv_out
 
 
+def _widened(narrow_smem, wide_smem):
+    """One stage of an FP8 ring widened into the 16-bit copy wgmma reads, made visible to the tensor cores."""
+    wide_smem[...] = narrow_smem[...].astype(wide_smem.dtype)
+    plgpu.commit_smem()
+    return wide_smem
+
+
 def _wgmma_layout(x: Array) -> Array:
     """Pin a row vector (or a row-major tile) to the layout of wgmma accumulators' rows."""
     layout = plgpu.Layout.WGMMA.reduce(1) if x.ndim == 1 else plgpu.Layout.WGMMA
     return plgpu.layout_cast(x, layout)
 
 
-def _smem_transforms(dtype) -> tuple:
-    """128-byte swizzled tiles of 8 rows: the shared-memory layout wgmma and TMA want."""
-    swizzle = 128
+def _smem_transforms(dtype, head_dim: int) -> tuple:
+    """Swizzled tiles of 8 rows, 128 bytes wide where a row holds that many (an FP8 row of 64 holds 64):
+    the shared-memory layout wgmma and TMA want."""
+    swizzle = min(128, head_dim * jnp.dtype(dtype).itemsize)
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 

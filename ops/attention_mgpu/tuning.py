@@ -21,6 +21,10 @@ ROWS_PER_WG = 64
 """Query rows per compute warpgroup: the M of one wgmma."""
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+QUERY_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+"""Queries (and the kernel's matmuls) in 16 bits; float32 would run wgmma in tf32."""
+FP8_CACHE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+"""FP8 caches the kernel reads, converting each stage to float16 on chip."""
 SHARED_MEMORY_BYTES = (227 - 3) * 1024
 """Shared memory for a program's queries, ring and log-sum-exps: Hopper's 227 KiB a block, less
 3 KiB for the barriers and scratch the compiler allocates beside them."""
@@ -93,29 +97,39 @@ def choose_splits(programs: int, kv_stages: int, num_sms: int) -> int:
     return min(range(1, most + 1), key=modelled_time)
 
 
-def program_shared_memory(config: KernelConfig, head_dim: int, block_size: int, itemsize: int) -> int:
-    """Shared-memory bytes of one program's queries, K/V ring and (when split) log-sum-exps,
+def program_shared_memory(
+    config: KernelConfig, head_dim: int, block_size: int, itemsize: int, cache_itemsize: int | None = None
+) -> int:
+    """Shared-memory bytes of one program's queries, K/V ring, (when split) log-sum-exps and
+    (over an FP8 cache, ``cache_itemsize`` 1) each compute warpgroup's 16-bit copy of a stage:
     the part ``SHARED_MEMORY_BYTES`` bounds."""
+    cache_itemsize = cache_itemsize or itemsize
+    stage_keys = config.pages_per_stage * block_size
     queries = config.num_compute_wgs * ROWS_PER_WG * head_dim * itemsize
-    ring = config.num_stages * config.pages_per_stage * block_size * 2 * head_dim * itemsize
+    ring = config.num_stages * stage_keys * 2 * head_dim * cache_itemsize
     lse = config.num_compute_wgs * ROWS_PER_WG * 4 if config.num_kv_splits > 1 else 0
-    return queries + ring + lse
+    widened = config.num_compute_wgs * stage_keys * 2 * head_dim * itemsize if cache_itemsize < itemsize else 0
+    return queries + ring + lse + widened
 
 
-def kernel_supports(dtype, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel runs this case on a GPU: 16-bit caches, its head dims, pages that tile
-    a stage of a multiple of 64 keys (8-row-aligned, and either dividing 64 or a multiple of it),
-    and room in shared memory for the smallest split prefill program (two stages of one such stage each)."""
+def kernel_supports(dtype, head_dim: int, block_size: int, cache_dtype=None) -> bool:
+    """Whether the kernel runs this case on a GPU: 16-bit queries over a cache of their dtype or
+    of FP8 (``CACHE_DTYPES``), its head dims, pages that tile a stage of a multiple of 64 keys
+    (8-row-aligned, and either dividing 64 or a multiple of it), and room in shared memory for
+    the smallest split prefill program (two stages of one such stage each)."""
+    dtype = jnp.dtype(dtype)
+    cache_dtype = dtype if cache_dtype is None else jnp.dtype(cache_dtype)
     smallest_prefill = KernelConfig(
         pages_per_stage=max(64 // block_size, 1), num_stages=2, num_compute_wgs=2, num_kv_splits=2
     )
+    memory = program_shared_memory(smallest_prefill, head_dim, block_size, 2, cache_dtype.itemsize)
     return (
-        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        dtype in QUERY_DTYPES
+        and (cache_dtype == dtype or cache_dtype in FP8_CACHE_DTYPES)
         and head_dim in SUPPORTED_HEAD_DIMS
         and block_size % 8 == 0
         and (64 % block_size == 0 or block_size % 64 == 0)
-        and program_shared_memory(smallest_prefill, head_dim, block_size, jnp.dtype(dtype).itemsize)
-        <= SHARED_MEMORY_BYTES
+        and memory <= SHARED_MEMORY_BYTES
     )
 
 
@@ -129,6 +143,7 @@ def choose_config(
     max_blocks_per_req: int,
     itemsize: int,
     num_sms: int = 132,
+    cache_itemsize: int | None = None,
 ) -> KernelConfig:
     """The tuning table: static shapes -> launch parameters.
 
@@ -144,14 +159,20 @@ def choose_config(
     Each of these switches was the faster side of its sweep on the GPU
     (``benchmarks/history/RESULTS.md``: "The tuning table's neighbours" for decode,
     "Prefill schedule swept by device time" for prefill).
+
+    Over an FP8 cache (``cache_itemsize`` 1) the ring holds FP8 stages and each compute
+    warpgroup a 16-bit copy of one stage, taken from the same budget; stages stay at 64 keys.
     """
+    cache_itemsize = cache_itemsize or itemsize
     decode_like = num_tokens * group <= num_reqs * ROWS_PER_WG
     n_wg = 1 if decode_like else 2
-    key_bytes = 2 * head_dim * itemsize  # one key's K and V
+    key_bytes = 2 * head_dim * cache_itemsize  # one key's K and V in the ring
     query_bytes = n_wg * ROWS_PER_WG * head_dim * itemsize
-    ring_bytes = 96 * 1024 if decode_like else SHARED_MEMORY_BYTES - query_bytes
+    widened_bytes = n_wg * 64 * 2 * head_dim * itemsize if cache_itemsize < itemsize else 0
+    ring_bytes = (96 * 1024 if decode_like else SHARED_MEMORY_BYTES - query_bytes) - widened_bytes
     # Keys per stage: a multiple of 64 (the K of one 128-byte-swizzled bf16 wgmma), two stages in the ring.
-    stage_keys = max(min(64 if decode_like else 128, ring_bytes // (2 * key_bytes)) // 64 * 64, 64)
+    widest = 64 if decode_like or widened_bytes else 128
+    stage_keys = max(min(widest, ring_bytes // (2 * key_bytes)) // 64 * 64, 64)
     pages = max(stage_keys // block_size, 1)  # pages larger than a stage make a stage of one page
     stage_bytes = pages * block_size * key_bytes
     tiles = num_tiles_bound(num_tokens, num_reqs, group, ROWS_PER_WG * n_wg)
@@ -178,7 +199,7 @@ def choose_config(
         longest_first=True,
     )
     three_stages = dataclasses.replace(two_stages, num_stages=3)
-    fits = program_shared_memory(three_stages, head_dim, block_size, itemsize) <= SHARED_MEMORY_BYTES
+    fits = program_shared_memory(three_stages, head_dim, block_size, itemsize, cache_itemsize) <= SHARED_MEMORY_BYTES
     return three_stages if fits else two_stages
 
 
@@ -200,4 +221,5 @@ def config_for(
         block_size,
         max_blocks_per_req,
         q.dtype.itemsize,
+        cache_itemsize=k_cache.dtype.itemsize,
     )

@@ -27,6 +27,12 @@ from jaxrunner.ops.attention_mgpu.schedule import (
 from jaxrunner.ops.attention_mgpu.tuning import KernelConfig, config_for
 
 
+def compute_dtype(q_dtype, cache_dtype) -> jnp.dtype:
+    """The kernel's queries and matmuls: q's dtype over a 16-bit cache; over an FP8 cache float16,
+    which holds every FP8 value exactly and is what Hopper's FP8 conversion (``cvt.rn.f16x2.e4m3x2``) gives."""
+    return jnp.dtype(q_dtype) if jnp.dtype(cache_dtype).itemsize == 2 else jnp.dtype(jnp.float16)
+
+
 def prepare_tiles(
     q: Float[Array, "num_tokens num_q_heads head_dim"],
     num_kv_heads: int,
@@ -58,6 +64,7 @@ def ragged_paged_attention_mgpu(
 ) -> Float[Array, "num_tokens num_q_heads head_dim"]:
     """The Mosaic GPU kernel behind :func:`ragged_paged_attention`'s contract.
 
+    The caches are q's dtype or FP8 (read unscaled: the caller applies their scales).
     ``config`` overrides the tuning table; ``interpret`` (an ``InterpretGPUParams``)
     runs the kernel through the Mosaic GPU interpreter on the CPU. Jitted, so that a
     model calling it once per layer lowers (and compiles) the kernel once per shape.
@@ -65,8 +72,10 @@ def ragged_paged_attention_mgpu(
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    out_dtype = q.dtype
     if config is None:
         config = config_for(q, k_cache, metadata)
+    q = q.astype(compute_dtype(q.dtype, k_cache.dtype))
     schedule, q_tiles = prepare_tiles(q, num_kv_heads, metadata, config, sliding_window)
     results = launch_kernel(
         schedule.fields,
@@ -90,4 +99,4 @@ def ragged_paged_attention_mgpu(
     else:
         out = out[0]
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
-    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+    return jnp.where(valid[:, None, None], out, 0).astype(out_dtype)
