@@ -189,13 +189,13 @@ def kernel_only(q, k_cache, v_cache, metadata, heads: Heads):
     config = config_for(q, k_cache, metadata)
     prepare = jax.jit(prepare_tiles, static_argnums=(1, 3), static_argnames="sliding_window")
     q = q.astype(compute_dtype(q.dtype, k_cache.dtype))
-    schedule, q_tiles = prepare(q, heads.num_kv, metadata, config, sliding_window=None)
+    schedule, q_packed = prepare(q, heads.num_kv, metadata, config, sliding_window=None)
 
-    def fn(q_tiles, fields, block_tables, k_cache, v_cache, **kwargs):
+    def fn(q_packed, fields, block_tables, k_cache, v_cache, **kwargs):
         return launch_kernel(
             fields,
             block_tables,
-            q_tiles,
+            q_packed,
             k_cache,
             v_cache,
             config=config,
@@ -207,7 +207,7 @@ def kernel_only(q, k_cache, v_cache, metadata, heads: Heads):
             **kwargs,
         )
 
-    return fn, (q_tiles, schedule.fields, metadata.block_tables, k_cache, v_cache)
+    return fn, (q_packed, schedule.fields, metadata.block_tables, k_cache, v_cache)
 
 
 def decode_baseline(q, k_cache, v_cache, metadata):

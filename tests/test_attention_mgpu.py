@@ -24,6 +24,7 @@ from jaxrunner.ops.attention_mgpu import (
     choose_config,
     choose_splits,
     kernel_supports,
+    num_granules_bound,
     num_tiles_bound,
     program_shared_memory,
     ragged_paged_attention_mgpu,
@@ -112,12 +113,15 @@ def test_tile_schedule_covers_every_row_once():
     num_tiles = num_tiles_bound(num_tokens, len(case.reqs) + case.pad_reqs, group, tile_rows)
     fields = np.asarray(tile_schedule(metadata, group, tile_rows, num_tiles, sliding_window=None).fields)
     qsl = np.asarray(metadata.query_start_loc)
-    covered = []
-    for req, q_row, num_rows, row_offset, q_pos0, kv_start, kv_end, _ in fields[fields[:, 2] > 0]:
+    covered, next_granule = [], 0
+    for req, q_row, num_rows, row_offset, q_pos0, kv_start, kv_end, granule0 in fields[fields[:, 2] > 0]:
         assert q_row == qsl[req] * group + row_offset
         assert kv_start == 0 and kv_end == q_pos0 + (row_offset + num_rows - 1) // group + 1
+        assert granule0 == next_granule  # tiles' granules packed back to back, a short tile's rounded up
+        next_granule += -(-num_rows // 8)
         covered.extend(range(q_row, q_row + num_rows))
     assert covered == list(range(qsl[len(case.reqs)] * group))
+    assert next_granule <= num_granules_bound(num_tokens, len(case.reqs) + case.pad_reqs, group, tile_rows)
 
 
 def test_kernel_is_lowered_once_per_shape():

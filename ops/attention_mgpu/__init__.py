@@ -6,7 +6,13 @@ picks them, :mod:`.wrapper` the public entry that runs the three together.
 """
 
 from jaxrunner.ops.attention_mgpu.kernel import launch_kernel
-from jaxrunner.ops.attention_mgpu.schedule import TileSchedule, num_tiles_bound, tile_major_queries, tile_schedule
+from jaxrunner.ops.attention_mgpu.schedule import (
+    TileSchedule,
+    num_granules_bound,
+    num_tiles_bound,
+    packed_queries,
+    tile_schedule,
+)
 from jaxrunner.ops.attention_mgpu.tuning import (
     SHARED_MEMORY_BYTES,
     KernelConfig,
@@ -28,10 +34,11 @@ __all__ = [
     "config_for",
     "kernel_supports",
     "launch_kernel",
+    "num_granules_bound",
     "num_tiles_bound",
+    "packed_queries",
     "prepare_tiles",
     "program_shared_memory",
     "ragged_paged_attention_mgpu",
-    "tile_major_queries",
     "tile_schedule",
 ]

@@ -19,8 +19,10 @@ compute warpgroup holds 64 rows of the tile and all walk the same KV stages.
   widened copy. Widening is exact (every FP8 value is a float16); the cache's
   scales are applied outside the kernel.
 
-Outputs go to a tile-major buffer: every tile writes whole 64-row blocks, so no
-program writes another's rows.
+Queries come from, and outputs go to, the schedule's packed buffers: each warpgroup
+copies in its 64 rows as eight 8-row granules (past the tile's last granule, that
+granule again: its rows are never written out) and writes back only the granules
+that hold its rows, so no program writes another's rows.
 """
 
 from __future__ import annotations
@@ -35,7 +37,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
-from jaxrunner.ops.attention_mgpu.schedule import KV_END, KV_START, NUM_ROWS, Q_POS0, REQ, ROW_OFFSET
+from jaxrunner.ops.attention_mgpu.schedule import (
+    GRANULE0,
+    GRANULE_ROWS,
+    KV_END,
+    KV_START,
+    NUM_ROWS,
+    Q_POS0,
+    REQ,
+    ROW_OFFSET,
+)
 from jaxrunner.ops.attention_mgpu.tuning import ROWS_PER_WG, KernelConfig
 
 COPY_REGISTERS = 40
@@ -45,6 +56,8 @@ MASKED = -1e30
 """Score of a masked key (log2 domain): finite, so fully masked rows never make NaN."""
 
 LOG2_E = math.log2(math.e)
+
+GRANULES_PER_WG = ROWS_PER_WG // GRANULE_ROWS
 
 
 def _kernel_body(
@@ -117,8 +130,18 @@ def _kernel_body(
         def _compute():
             if config.compute_registers:
                 plgpu.set_max_registers(config.compute_registers, action="increase")
-            row0 = tile * config.tile_rows + wg * ROWS_PER_WG
-            plgpu.copy_gmem_to_smem(q_ref.at[kv_head, pl.ds(row0, ROWS_PER_WG)], q_smem.at[wg], q_bar.at[wg])
+            # This warpgroup's granules of the tile: the first, and how many hold its rows.
+            granule0 = sched_ref[tile, GRANULE0] + wg * GRANULES_PER_WG
+            wg_rows = jnp.clip(num_rows - wg * ROWS_PER_WG, 0, ROWS_PER_WG)
+            num_granules = (wg_rows + GRANULE_ROWS - 1) // GRANULE_ROWS
+            last_granule = q_ref.shape[1] // GRANULE_ROWS - 1
+            for i in range(GRANULES_PER_WG):
+                src = jnp.clip(granule0 + jnp.minimum(i, num_granules - 1), 0, last_granule)
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[kv_head, pl.ds(src * GRANULE_ROWS, GRANULE_ROWS)],
+                    q_smem.at[wg, pl.ds(i * GRANULE_ROWS, GRANULE_ROWS)],
+                    q_bar.at[wg],
+                )
             row_max = wgmma_layout(jnp.full((ROWS_PER_WG,), MASKED, jnp.float32))
             row_sum = wgmma_layout(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32))
             acc = wgmma_layout(jnp.zeros((ROWS_PER_WG, head_dim), jnp.float32))
@@ -186,10 +209,16 @@ def _kernel_body(
             if lse_smem is not None:
                 lse_smem.at[wg][...] = row_max + jnp.log2(row_sum_safe)
             plgpu.commit_smem()
-            out_row = tile * config.tile_rows + wg * ROWS_PER_WG
-            plgpu.copy_smem_to_gmem(q_smem.at[wg], out_ref.at[split, kv_head, pl.ds(out_row, ROWS_PER_WG)])
-            if lse_smem is not None:
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[split, kv_head, pl.ds(out_row, ROWS_PER_WG)])
+            for i in range(GRANULES_PER_WG):
+
+                @pl.when(i < num_granules)
+                def _write_back(i=i):
+                    rows = pl.ds(i * GRANULE_ROWS, GRANULE_ROWS)
+                    out_rows = pl.ds((granule0 + i) * GRANULE_ROWS, GRANULE_ROWS)
+                    plgpu.copy_smem_to_gmem(q_smem.at[wg, rows], out_ref.at[split, kv_head, out_rows])
+                    if lse_smem is not None:
+                        plgpu.copy_smem_to_gmem(lse_smem.at[wg, rows], lse_ref.at[split, kv_head, out_rows])
+
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == n_wg)
@@ -240,7 +269,7 @@ def _kernel_body(
         plgpu.SMEM((stages, stage_keys, head_dim), v_ref.dtype, transforms=ring_tiled),
         wide,
         wide,
-        plgpu.Barrier(num_barriers=n_wg),
+        plgpu.Barrier(num_arrivals=GRANULES_PER_WG, num_barriers=n_wg),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
@@ -325,7 +354,7 @@ def _smem_transforms(dtype, head_dim: int) -> tuple:
 def launch_kernel(
     schedule_fields: Int[Array, "num_tiles 8"],
     block_tables: Int[Array, "num_reqs max_blocks_per_req"],
-    q_tiles: Float[Array, "num_kv_heads tile_major_rows head_dim"],
+    q_packed: Float[Array, "num_kv_heads packed_rows head_dim"],
     k_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
     v_cache: Float[Array, "num_blocks block_size num_kv_heads head_dim"],
     *,
@@ -336,12 +365,12 @@ def launch_kernel(
     soft_cap: float | None,
     interpret=None,
 ) -> list[Array]:
-    """The kernel alone: tile-major partial outputs ``[num_kv_splits, num_kv_heads, tile_major_rows, head_dim]``
-    and, with splits, their log-sum-exps ``[num_kv_splits, num_kv_heads, tile_major_rows]`` (log2 domain)."""
-    num_kv_heads, out_rows, head_dim = q_tiles.shape
-    num_tiles = out_rows // config.tile_rows
+    """The kernel alone: packed partial outputs ``[num_kv_splits, num_kv_heads, packed_rows, head_dim]``
+    and, with splits, their log-sum-exps ``[num_kv_splits, num_kv_heads, packed_rows]`` (log2 domain)."""
+    num_kv_heads, out_rows, head_dim = q_packed.shape
+    num_tiles = schedule_fields.shape[0]
     splits = config.num_kv_splits
-    out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), q_tiles.dtype)]
+    out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), q_packed.dtype)]
     if splits > 1:
         out_type.append(jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows), jnp.float32))
     body = functools.partial(
@@ -370,4 +399,4 @@ def launch_kernel(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
-    )(schedule_fields, block_tables, q_tiles, k_cache, v_cache)
+    )(schedule_fields, block_tables, q_packed, k_cache, v_cache)

@@ -4,9 +4,11 @@ For kv head ``h`` the ``group = num_q_heads // num_kv_heads`` query heads that r
 are laid out token-major as rows ``t * group + g``, so all heads of one KV head share
 every K/V page read (GQA), and a decode of one token still fills ``group`` rows of the
 tensor-core tile. Every request's ``q_len * group`` rows are cut into tiles of
-``tile_rows`` rows (a request's last tile may be short), gathered tile-major so that
-every tile starts on a tile boundary: TMA copies into tiled shared memory need
-8-row-aligned starts, which a request's first row (``query_start * group``) need not be.
+``tile_rows`` rows (a request's last tile may be short). The kernel's queries and
+outputs hold each tile's rows in granules of 8 (TMA copies into tiled shared memory
+need 8-row-aligned starts, which a request's first row, ``query_start * group``, need
+not be), the tiles' granules packed back to back: a decode of 4 rows moves one
+granule, not a whole 64-row tile.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrunner.ops.attention_metadata import AttentionMetadata
 
-REQ, Q_ROW, NUM_ROWS, ROW_OFFSET, Q_POS0, KV_START, KV_END = range(7)
+REQ, Q_ROW, NUM_ROWS, ROW_OFFSET, Q_POS0, KV_START, KV_END, GRANULE0 = range(8)
 """Columns of :attr:`TileSchedule.fields`."""
+
+GRANULE_ROWS = 8
+"""Rows of one granule: the row alignment of a TMA copy into tiled shared memory."""
 
 
 class TileSchedule(NamedTuple):
@@ -27,7 +32,7 @@ class TileSchedule(NamedTuple):
 
     Columns: request, first q row (in the ``[num_tokens * group]`` row space), valid rows,
     the tile's first row within its request, the request's first query position,
-    first and end key position, and one unused.
+    first and end key position, and the tile's first granule in the packed queries and outputs.
     """
 
     fields: Int[Array, "num_tiles 8"]
@@ -38,6 +43,15 @@ class TileSchedule(NamedTuple):
 def num_tiles_bound(num_tokens: int, num_reqs: int, group: int, tile_rows: int) -> int:
     """Most tiles ``num_reqs`` requests sharing ``num_tokens`` tokens can need."""
     return min(num_tokens * group, (num_tokens * group + num_reqs * (tile_rows - 1)) // tile_rows)
+
+
+def num_granules_bound(num_tokens: int, num_reqs: int, group: int, tile_rows: int) -> int:
+    """Most granules their tiles can fill (each request's rows rounded up to a granule)."""
+    rows = min(
+        num_tokens * group + num_reqs * (GRANULE_ROWS - 1),
+        num_tiles_bound(num_tokens, num_reqs, group, tile_rows) * tile_rows,
+    )
+    return max(rows // GRANULE_ROWS, 1)
 
 
 def tile_schedule(
@@ -65,42 +79,44 @@ def tile_schedule(
     kv_start = jnp.zeros_like(kv_end)
     if sliding_window:
         kv_start = jnp.maximum(first_pos - sliding_window + 1, 0)
-    q_row = jnp.where(num_rows > 0, qsl[req] * group + row_offset, 0)  # unused tiles gather row 0
-    fields = jnp.stack(
-        [req, q_row, num_rows, row_offset, q_pos0, kv_start, kv_end, jnp.zeros_like(req)], axis=1
-    ).astype(jnp.int32)
+    q_row = jnp.where(num_rows > 0, qsl[req] * group + row_offset, 0)
+    granules = (num_rows + GRANULE_ROWS - 1) // GRANULE_ROWS
+    granule0 = jnp.cumsum(granules) - granules
+    fields = jnp.stack([req, q_row, num_rows, row_offset, q_pos0, kv_start, kv_end, granule0], axis=1).astype(jnp.int32)
     return TileSchedule(fields, tile_start)
 
 
-def tile_major_queries(
-    q: Float[Array, "num_tokens num_q_heads head_dim"], schedule: TileSchedule, num_kv_heads: int, tile_rows: int
-) -> Float[Array, "num_kv_heads tile_major_rows head_dim"]:
-    """q as ``[num_kv_heads, num_tiles * tile_rows, head_dim]``, each tile's rows starting at a tile
-    boundary; rows past a tile's valid ones are zero."""
+def packed_queries(
+    q: Float[Array, "num_tokens num_q_heads head_dim"], schedule: TileSchedule, num_kv_heads: int, num_granules: int
+) -> Float[Array, "num_kv_heads packed_rows head_dim"]:
+    """q as ``[num_kv_heads, num_granules * 8, head_dim]``: each tile's rows from its first granule on;
+    rows past a tile's valid ones, and granules no tile fills, are zero."""
     num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // num_kv_heads
     fields = schedule.fields
-    r = jnp.arange(tile_rows, dtype=jnp.int32)[None, :]
-    row = fields[:, Q_ROW, None] + r
-    valid = r < fields[:, NUM_ROWS, None]
-    token = jnp.where(valid, row // group, 0).reshape(-1)
-    head_in_group = jnp.where(valid, row % group, 0).reshape(-1)
+    granule = jnp.arange(num_granules, dtype=jnp.int32)
+    tile = jnp.searchsorted(fields[:, GRANULE0], granule, side="right", method="compare_all") - 1
+    row_in_tile = (granule - fields[tile, GRANULE0])[:, None] * GRANULE_ROWS + jnp.arange(GRANULE_ROWS)[None, :]
+    valid = (row_in_tile < fields[tile, NUM_ROWS, None]).reshape(-1)
+    row = (fields[tile, Q_ROW, None] + row_in_tile).reshape(-1)
+    token = jnp.where(valid, row // group, 0)
+    head_in_group = jnp.where(valid, row % group, 0)
     grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    rows = grouped[token, :, head_in_group]  # [num_tiles * tile_rows, num_kv_heads, head_dim]
-    rows = jnp.where(valid.reshape(-1)[:, None, None], rows, 0)
+    rows = grouped[token, :, head_in_group]  # [num_granules * 8, num_kv_heads, head_dim]
+    rows = jnp.where(valid[:, None, None], rows, 0)
     return rows.transpose(1, 0, 2)
 
 
 def output_row_index(
     metadata: AttentionMetadata, schedule: TileSchedule, num_tokens: int, group: int, tile_rows: int
 ) -> tuple[Int[Array, "num_tokens group"], Bool[Array, " num_tokens"]]:
-    """Index of each (token, head-in-group) row in the tile-major output, and token validity."""
+    """Index of each (token, head-in-group) row in the packed output, and token validity."""
     qsl = metadata.query_start_loc
     num_reqs = metadata.seq_lens.shape[0]
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     req = jnp.minimum(jnp.searchsorted(qsl[1:], token, side="right", method="compare_all"), num_reqs - 1)
     row_in_req = (token - qsl[req])[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]
     tile = schedule.tile_start[req][:, None] + row_in_req // tile_rows
-    index = tile * tile_rows + row_in_req % tile_rows
+    index = schedule.fields[tile, GRANULE0] * GRANULE_ROWS + row_in_req % tile_rows
     valid = token < qsl[-1]
     return jnp.where(valid[:, None], index, 0), valid

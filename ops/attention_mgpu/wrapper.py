@@ -2,8 +2,8 @@
 
 Same contract as :func:`ragged_paged_attention_reference`, the oracle it is tested
 against; one call serves decodes, chunked and full prefills packed in one batch.
-The XLA ops around the kernel build the tile schedule and the tile-major queries,
-and afterwards gather the tile-major output rows back into token order, combining
+The XLA ops around the kernel build the tile schedule and the packed queries,
+and afterwards gather the packed output rows back into token order, combining
 the KV splits' partial outputs by their log-sum-exps.
 """
 
@@ -19,18 +19,19 @@ from jaxrunner.ops.attention_metadata import AttentionMetadata
 from jaxrunner.ops.attention_mgpu.kernel import launch_kernel
 from jaxrunner.ops.attention_mgpu.schedule import (
     TileSchedule,
+    num_granules_bound,
     num_tiles_bound,
     output_row_index,
-    tile_major_queries,
+    packed_queries,
     tile_schedule,
 )
 from jaxrunner.ops.attention_mgpu.tuning import KernelConfig, config_for
 
 
 def compute_dtype(q_dtype, cache_dtype) -> jnp.dtype:
-    """The kernel's queries and matmuls: q's dtype over a 16-bit cache; over an FP8 cache float16,
+    """The kernel's queries and matmuls: q's dtype over a cache of q's dtype; over an FP8 cache float16,
     which holds every FP8 value exactly and is what Hopper's FP8 conversion (``cvt.rn.f16x2.e4m3x2``) gives."""
-    return jnp.dtype(q_dtype) if jnp.dtype(cache_dtype).itemsize == 2 else jnp.dtype(jnp.float16)
+    return jnp.dtype(jnp.float16) if jnp.dtype(cache_dtype).itemsize == 1 else jnp.dtype(q_dtype)
 
 
 def prepare_tiles(
@@ -39,14 +40,15 @@ def prepare_tiles(
     metadata: AttentionMetadata,
     config: KernelConfig,
     sliding_window: int | None,
-) -> tuple[TileSchedule, Float[Array, "num_kv_heads tile_major_rows head_dim"]]:
-    """The kernel's inputs besides the caches: the tile schedule and the tile-major queries."""
+) -> tuple[TileSchedule, Float[Array, "num_kv_heads packed_rows head_dim"]]:
+    """The kernel's inputs besides the caches: the tile schedule and the packed queries."""
     num_tokens, num_q_heads, _ = q.shape
     group = num_q_heads // num_kv_heads
     num_reqs = metadata.block_tables.shape[0]
     num_tiles = num_tiles_bound(num_tokens, num_reqs, group, config.tile_rows)
     schedule = tile_schedule(metadata, group, config.tile_rows, num_tiles, sliding_window)
-    return schedule, tile_major_queries(q, schedule, num_kv_heads, config.tile_rows)
+    num_granules = num_granules_bound(num_tokens, num_reqs, group, config.tile_rows)
+    return schedule, packed_queries(q, schedule, num_kv_heads, num_granules)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "config", "interpret"))
@@ -76,11 +78,11 @@ def ragged_paged_attention_mgpu(
     if config is None:
         config = config_for(q, k_cache, metadata)
     q = q.astype(compute_dtype(q.dtype, k_cache.dtype))
-    schedule, q_tiles = prepare_tiles(q, num_kv_heads, metadata, config, sliding_window)
+    schedule, q_packed = prepare_tiles(q, num_kv_heads, metadata, config, sliding_window)
     results = launch_kernel(
         schedule.fields,
         metadata.block_tables.astype(jnp.int32),
-        q_tiles,
+        q_packed,
         k_cache,
         v_cache,
         config=config,
