@@ -111,7 +111,7 @@ class MemoryBudget:
         )
 
     def summary(self) -> dict[str, float | int | None]:
-        """Sizes in GiB and the cache's blocks and tokens, for logs and benchmark results."""
+        """Sizes in GiB and the cache's blocks and tokens, for benchmark results."""
         gib = lambda size: None if size is None else size / 2**30
         return {
             "total_gib": gib(self.total_bytes),
