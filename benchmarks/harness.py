@@ -33,6 +33,7 @@ from jaxrunner.interfaces import (
 )
 from jaxrunner.models import TransformerConfig, init_random_model
 from jaxrunner.models.builtin import BUILTIN_MODELS
+from jaxrunner.roofline import copy_bytes_per_s, median_seconds
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.sharding import make_mesh
 
@@ -111,17 +112,6 @@ def parse_workload(text: str) -> tuple[int, int, int]:
 # -------------------------------------------------------------------- floors
 
 
-def median_seconds(fn: Callable[[], jax.Array], repeats: int) -> float:
-    """Median wall seconds of ``fn()`` to its result, after one call that compiles it."""
-    fn().block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn().block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_floors(elements: int) -> dict[str, float]:
     """Copy bandwidth (bytes read + written) and bf16 matmul rate, on random data.
 
@@ -131,23 +121,15 @@ def measure_floors(elements: int) -> dict[str, float]:
     2**24, 256 below (the toy sizes a CPU runs).
     """
     key = jax.random.key(0)
-    t_copy = copy_seconds(elements)
     n = 8192 if elements >= 1 << 28 else 1024 if elements >= 1 << 24 else 256
     a = jax.random.normal(key, (n, n), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
     matmul = jax.jit(lambda p, q: p @ q)
     t_mm = median_seconds(lambda: matmul(a, b), 10)
-    floors: dict = {"jax_copy_bytes_per_s": 2 * 2 * elements / t_copy, "matmul_flops_per_s": 2 * n**3 / t_mm}
+    floors: dict = {"jax_copy_bytes_per_s": copy_bytes_per_s(elements), "matmul_flops_per_s": 2 * n**3 / t_mm}
     floors.update(torch_copy_bytes_per_s(elements))
     floors["copy_bytes_per_s"] = max(v for k, v in floors.items() if k.endswith("copy_bytes_per_s"))
     return floors
-
-
-def copy_seconds(elements: int) -> float:
-    """Median seconds of JAX's jitted ``x * 2`` over ``elements`` random bf16 values (freed after)."""
-    x = jax.random.normal(jax.random.key(0), (elements,), jnp.bfloat16)
-    double = jax.jit(lambda a: a * 2)
-    return median_seconds(lambda: double(x), 20)
 
 
 def torch_copy_bytes_per_s(elements: int) -> dict[str, float | str]:

@@ -7,6 +7,7 @@ from jaxrunner import envs
 
 envs.prefer_async_gpu_dispatch()  # before anything starts JAX's GPU backend
 envs.prefer_kernel_launches_to_cuda_graphs()
+envs.size_gpu_memory_pool()
 
 from jaxrunner.engine.llm import LLM  # noqa: E402
 from jaxrunner.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxrunner.engine.llm_engine import LLMEngine
 
 _ENGINE_FLAGS = {
     "dtype": str,
@@ -14,6 +18,7 @@ _ENGINE_FLAGS = {
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "gpu_memory_utilization": float,
+    "kv_cache_dtype": str,
     "num_gpu_blocks_override": int,
     "seed": int,
     "tensor_parallel_size": int,
@@ -101,11 +106,34 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     }
 
 
+def _read_bound_s(engines: list[LLMEngine], copy_bytes_per_s: float) -> float:
+    """Seconds the engines' steps take at least: each forward pass reads every weight and every
+    scheduled request's KV tokens (``StepTimes``), one device's share at its copy rate.
+    Data-parallel replicas run side by side: the one that read most bounds the run."""
+    from jaxrunner.roofline import bytes_on_device
+    from jaxrunner.sharding import tensor_parallel_size
+
+    bounds = []
+    for engine in engines:
+        runner, times = engine.runner, engine.step_times
+        weight_bytes = bytes_on_device(runner.params, runner.mesh.local_devices[0])
+        kv_spec = runner.kv_cache_spec.per_device(tensor_parallel_size(runner.mesh))
+        kv_bytes = times.kv_tokens_read * kv_spec.bytes_per_block / kv_spec.block_size
+        bounds.append((times.forward_passes * weight_bytes + kv_bytes) / copy_bytes_per_s)
+    return max(bounds)
+
+
 def _bench(args: argparse.Namespace) -> None:
+    import jax
+
     from jaxrunner.engine.kv_cache_manager import PrefixCacheStats
     from jaxrunner.interfaces import SamplingParams
+    from jaxrunner.roofline import copy_bytes_per_s
 
     llm = _make_llm(args)
+    # The copy rate that bounds the run, measured before it on what the KV cache leaves free
+    # (256 MiB copied on a GPU; a token size on a CPU, whose figure only shows the arithmetic).
+    copy_rate = copy_bytes_per_s(1 << 27 if jax.default_backend() == "gpu" else 1 << 16)
     rng = np.random.default_rng(args.workload_seed)
     vocab = llm.llm_engine.runner.vocab_size
     input_lens = _lengths(rng, args.input_len, args.range_ratio, args.num_prompts)
@@ -160,6 +188,14 @@ def _bench(args: argparse.Namespace) -> None:
         result["decode_step_ms"] = decode_wall / decode_steps * 1e3
         result["decode_host_ms_per_step"] = sum(t.decode_host_s for t in step_times) / decode_steps * 1e3
         result["decode_host_share"] = result["decode_host_ms_per_step"] / result["decode_step_ms"]
+    bound_s = _read_bound_s(engines, copy_rate)
+    result["copy_bytes_per_s"] = copy_rate
+    result["bound_s"] = bound_s
+    result["bound_output_tokens_per_s"] = num_output / bound_s
+    result["bound_fraction"] = result["output_tokens_per_s"] / result["bound_output_tokens_per_s"]
+    budget = llm.llm_engine.runner.memory_budget  # replicas alike
+    assert budget is not None  # the cache is allocated
+    result["memory_budget"] = budget.summary()
     spec = sum((e.scheduler.spec_stats for e in engines[1:]), engines[0].scheduler.spec_stats)
     if spec.num_steps:
         result["mean_accepted_length"] = spec.mean_accepted_length
@@ -175,6 +211,12 @@ def _bench(args: argparse.Namespace) -> None:
     print(
         f"KV cache: {result['kv_cache_blocks']} blocks, {result['kv_cache_tokens']} tokens; "
         f"at most {result['max_num_scheduled_reqs']} requests in one step"
+    )
+    print(f"memory: {budget}")
+    print(
+        f"bound: reading the weights and KV tokens of every step at {copy_rate / 1e12:.3f} TB/s takes "
+        f"{bound_s:.2f} s, {result['bound_output_tokens_per_s']:.1f} output tok/s; this run reached "
+        f"{result['bound_fraction']:.1%} of it"
     )
     print(
         f"{result['num_steps']} steps: engine host work {result['host_ms_per_step']:.2f} ms, program calls "

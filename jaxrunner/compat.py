@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import jax
 
+from jaxrunner import envs
+
 
 # jax/__init__.py assigns jax.Device (``Device = _xc.Device``), which pyright takes for a variable.
 def device_memory_stats(device: jax.Device) -> dict[str, int] | None:  # pyright: ignore[reportInvalidTypeForm]
@@ -18,6 +20,16 @@ def device_memory_stats(device: jax.Device) -> dict[str, int] | None:  # pyright
     if not stats or "bytes_limit" not in stats:
         return None
     return stats
+
+
+def device_total_bytes(stats: dict[str, int]) -> int:
+    """The device's total memory, from its allocator's statistics (``device_memory_stats``).
+
+    JAX has no reading of a GPU's total memory. XLA's GPU allocators (BFC, JAX's default,
+    and VMM) are limited to CUDA's total device memory times the pool fraction JAX started
+    them with, and report that limit as ``bytes_limit``.
+    """
+    return round(stats["bytes_limit"] / envs.gpu_memory_pool_fraction())
 
 
 def mosaic_gpu_interpreter():

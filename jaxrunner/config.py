@@ -32,11 +32,15 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV cache.
 
-    ``gpu_memory_utilization`` is the fraction of the device memory JAX manages
-    that weights, activations and the KV cache may use together; the KV cache
-    takes what the profile run leaves. On backends that report no memory
-    statistics (the CPU) the cache gets ``cpu_kv_cache_bytes``.
-    ``num_gpu_blocks_override`` fixes the number of blocks instead.
+    ``gpu_memory_utilization`` is vLLM's: the fraction of each device's total
+    memory the engine may use. The KV cache gets that, less what is in use once
+    the model is loaded, less the activation peak of the largest steps (the
+    profile run runs them once), less ``runner.kv_cache.KV_CACHE_MARGIN_BYTES``;
+    ``ModelRunner.memory_budget`` records the figures. JAX's memory pool must
+    hold it: importing jaxrunner sizes the pool at 0.95 of each GPU unless
+    ``XLA_CLIENT_MEM_FRACTION`` is set (``envs.size_gpu_memory_pool``). On
+    backends that report no memory statistics (the CPU) the cache gets
+    ``cpu_kv_cache_bytes``. ``num_gpu_blocks_override`` fixes the number of blocks instead.
     """
 
     block_size: int = 16

@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 ATTENTION_IMPL_ENV_VAR = "JAXRUNNER_ATTENTION_IMPL"
 ASYNC_DISPATCH_ENV_VAR = "PJRT_GPU_ENABLE_ASYNC_DISPATCH"
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
+# JAX's names for the fraction of each GPU its memory pool holds: the current one, then the deprecated
+# one (JAX refuses both at once).
+MEM_FRACTION_ENV_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+JAX_DEFAULT_MEM_FRACTION = 0.75
+# The pool jaxrunner asks for: it covers any gpu_memory_utilization up to this fraction.
+GPU_MEMORY_POOL_FRACTION = 0.95
 
 environment_variables: dict[str, Callable[[], Any]] = {
     # Forces the attention and KV-write implementation, "reference" or "mosaic_gpu", for every
@@ -62,3 +68,26 @@ def prefer_kernel_launches_to_cuda_graphs() -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if not any(flag.split("=", 1)[0] == COMMAND_BUFFER_FLAG for flag in flags.split()):
         os.environ["XLA_FLAGS"] = f"{flags} {COMMAND_BUFFER_FLAG}=".strip()
+
+
+def size_gpu_memory_pool() -> None:
+    """Have JAX's GPU memory pool hold ``GPU_MEMORY_POOL_FRACTION`` of each device, unless the user chose.
+
+    ``CacheConfig.gpu_memory_utilization`` is vLLM's: the fraction of the device's total
+    memory an engine may use. JAX sizes its pool once per process, when its GPU backend
+    starts, before any engine names its utilization, and by default to 75% of the device.
+    A pool of 95% covers every utilization up to 0.95 (an engine asking for more is
+    refused, saying how to fix it); the rest stays for what CUDA allocates outside the
+    pool: the context, the libraries' kernels and handles, NCCL's buffers. The pool is
+    still preallocated, JAX's default, so that it is one region the allocator never
+    has to grow. To share a GPU between processes, set ``XLA_CLIENT_MEM_FRACTION``
+    (or the deprecated ``XLA_PYTHON_CLIENT_MEM_FRACTION``) yourself: either is kept.
+    """
+    if not any(os.environ.get(name) for name in MEM_FRACTION_ENV_VARS):
+        os.environ[MEM_FRACTION_ENV_VARS[0]] = str(GPU_MEMORY_POOL_FRACTION)
+
+
+def gpu_memory_pool_fraction() -> float:
+    """The fraction of each GPU's memory JAX's pool holds, as JAX reads it when its GPU backend starts."""
+    chosen = [os.environ[name] for name in MEM_FRACTION_ENV_VARS if os.environ.get(name)]
+    return float(chosen[0]) if chosen else JAX_DEFAULT_MEM_FRACTION

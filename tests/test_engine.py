@@ -12,7 +12,8 @@ from hf_models import save_tiny_hf_model
 
 from jaxrunner.cli import main as cli_main
 from jaxrunner.engine.llm import LLM
-from jaxrunner.interfaces import SamplingParams
+from jaxrunner.engine.llm_engine import _kv_tokens_read
+from jaxrunner.interfaces import CachedRequestData, SamplingParams, SchedulerOutput
 from jaxrunner.models.tokenizer import build_byte_tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -348,4 +349,37 @@ def test_cli_generate_and_bench(tmp_path, capsys, cache_dir, monkeypatch):
     assert result["decode_steps"] == 7
     assert 0 < result["decode_host_ms_per_step"] < result["decode_step_ms"]
     assert result["decode_step_ms"] < 1.5 * result["tpot_ms"]["p50"]  # counting it would double the mean here
-    assert "req/s" in capsys.readouterr().out
+    # The bound: the weights and KV tokens every step reads, at the copy rate measured in the run.
+    assert result["copy_bytes_per_s"] > 0 and result["bound_s"] > 0
+    assert result["bound_fraction"] == pytest.approx(result["bound_s"] / result["elapsed_s"])
+    assert result["memory_budget"]["kv_cache_blocks"] == 64 and result["memory_budget"]["total_gib"] is None
+    out = capsys.readouterr().out
+    assert "req/s" in out and "bound: reading the weights and KV tokens" in out and "memory: KV cache 64" in out
+
+
+def test_cli_passes_the_kv_cache_dtype_to_the_engine(monkeypatch):
+    class Built(Exception):
+        """Raised in place of building the engine, with the keyword arguments it was given."""
+
+    def llm(model, **kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr("jaxrunner.engine.llm.LLM", llm)
+    flags = "--num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-seqs 512 --kv-cache-dtype fp8"
+    with pytest.raises(Built) as built:
+        cli_main(["bench", *flags.split()])
+    assert built.value.args[0]["kv_cache_dtype"] == "fp8" and built.value.args[0]["max_num_seqs"] == 512
+
+
+def test_step_times_count_the_kv_tokens_every_forward_pass_reads(make_llm):
+    prompts, params = [[5] * 10, [6] * 20], SamplingParams(max_tokens=5, ignore_eos=True)
+    for steps in (1, 4):
+        llm = make_llm(async_scheduling=False, enable_prefix_caching=False, num_scheduler_steps=steps)
+        llm.generate(prompts, params, use_tqdm=False)
+        times = llm.llm_engine.step_times
+        # The prefill pass reads 10 + 20 tokens, the four decode passes one more each a pass, however grouped.
+        assert (times.forward_passes, times.kv_tokens_read) == (5, 30 + 32 + 34 + 36 + 38)
+    # A round of 4 decode steps over contexts of 10 and 20: (11 + 21) + (12 + 22) + (13 + 23) + (14 + 24).
+    cached = CachedRequestData(req_ids=["a", "b"], num_computed_tokens=[10, 20], new_block_ids=[None, None])
+    round_of_4 = SchedulerOutput([], cached, {"a": 4, "b": 4}, 8, num_decode_steps=4)
+    assert _kv_tokens_read(round_of_4) == 32 + 34 + 36 + 38

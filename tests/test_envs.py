@@ -32,6 +32,23 @@ def test_cuda_graphs_are_off_unless_the_user_chose(monkeypatch):
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"
 
 
+def test_gpu_memory_pool_covers_the_utilization_unless_the_user_chose(monkeypatch):
+    for name in envs.MEM_FRACTION_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert envs.gpu_memory_pool_fraction() == envs.JAX_DEFAULT_MEM_FRACTION == 0.75
+    importlib.reload(jaxrunner)
+    assert os.environ["XLA_CLIENT_MEM_FRACTION"] == str(envs.GPU_MEMORY_POOL_FRACTION) == "0.95"
+    assert envs.gpu_memory_pool_fraction() == 0.95
+    # Either of JAX's names is the user's choice (JAX refuses both at once): nothing is added.
+    for name, value in zip(envs.MEM_FRACTION_ENV_VARS, ("0.6", "0.5")):
+        for other in envs.MEM_FRACTION_ENV_VARS:
+            monkeypatch.delenv(other, raising=False)
+        monkeypatch.setenv(name, value)
+        importlib.reload(jaxrunner)
+        assert [os.environ.get(n) for n in envs.MEM_FRACTION_ENV_VARS].count(None) == 1
+        assert envs.gpu_memory_pool_fraction() == float(value)
+
+
 def test_variables_are_read_when_asked_for(monkeypatch, tmp_path):
     monkeypatch.delenv(envs.ATTENTION_IMPL_ENV_VAR, raising=False)
     assert envs.JAXRUNNER_ATTENTION_IMPL is None

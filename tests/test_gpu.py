@@ -9,9 +9,10 @@ from test_attention_reference import Case, _check, _run
 from test_model_parity import jitted_step, pack, random_prompts
 from test_sharding import CONFIG, GREEDY_PROMPTS, run_greedy, small_runner, tp_mesh
 
-from jaxrunner.config import CacheConfig, ParallelConfig
+from jaxrunner import LLM, SamplingParams, envs
+from jaxrunner.config import ParallelConfig
 from jaxrunner.models import TransformerConfig, init_random_model
-from jaxrunner.runner.kv_cache import KVCacheSpec, determine_num_blocks
+from jaxrunner.runner.kv_cache import KV_CACHE_MARGIN_BYTES
 from jaxrunner.sharding import kv_cache_sharding, make_mesh
 
 pytestmark = pytest.mark.gpu
@@ -33,15 +34,36 @@ def test_attention_reference_at_llama3_sizes(reqs):
     _check(case, out, ref, tol=1e-2)
 
 
-def test_kv_cache_is_sized_from_device_memory():
+def test_llm_takes_its_gpu_memory_utilization_of_the_whole_device():
+    """vLLM's meaning: at gpu_memory_utilization=0.5 the weights, the profiled peak and the KV cache
+    take half of the device's total memory less at most the margin (plus a block), not half of JAX's pool."""
     device = jax.devices("gpu")[0]
-    spec = KVCacheSpec(num_layers=32, block_size=16, num_kv_heads=8, head_dim=128, dtype=jnp.dtype(jnp.bfloat16))
-    stats = device.memory_stats()
-    blocks = determine_num_blocks(
-        spec, CacheConfig(gpu_memory_utilization=0.5), device, activation_bytes=1 << 30, max_useful_blocks=1 << 40
+    llm = LLM(
+        "tiny-llama",
+        gpu_memory_utilization=0.5,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        token_buckets=[256, 2048],
+        request_buckets=[8, 64],
     )
-    expected = (stats["bytes_limit"] * 0.5 - stats["bytes_in_use"] - (1 << 30)) // spec.bytes_per_block
-    assert blocks == expected > 1000
+    runner = llm.llm_engine.runner
+    budget = runner.memory_budget
+    assert budget is not None and budget.total_bytes and budget.weights_bytes and budget.activation_bytes
+    stats = device.memory_stats()
+    total = stats["bytes_limit"] / envs.gpu_memory_pool_fraction()
+    assert abs(budget.total_bytes - total) < 2 and 70 * 2**30 < total < 150 * 2**30  # an H100's or an H200's
+    taken = budget.kv_cache_bytes + budget.weights_bytes + budget.activation_bytes
+    assert 0.5 * total - KV_CACHE_MARGIN_BYTES - budget.bytes_per_block - 1 <= taken <= 0.5 * total
+    assert budget.kv_cache_bytes >= 0.5 * total - budget.weights_bytes - budget.activation_bytes - 2 * 2**30
+    # The profile ran the programs and read the allocator: at least the larger program's share of XLA's
+    # figure for the two, at most all of it (and the step's inputs).
+    profile = runner.profile_run()
+    assert profile.measured_bytes is not None
+    assert profile.xla_bytes / 2 <= profile.measured_bytes <= profile.xla_bytes + (64 << 20)
+    # Serving the largest steps keeps what is in use within the budget.
+    prompts = [[7] * 1000 for _ in range(64)]
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert device.memory_stats()["bytes_in_use"] <= 0.5 * total
 
 
 def test_tensor_parallel_logits_on_two_gpus():

@@ -32,7 +32,8 @@ from jaxrunner.runner.model_runner import ModelRunner
 
 @dataclasses.dataclass
 class StepTimes:
-    """Where the engine's steps spent their wall time: its own host work, the program calls, or waiting."""
+    """Where the engine's steps spent their wall time (its own host work, the program calls, or waiting),
+    and what their forward passes read."""
 
     num_steps: int = 0
     host_s: float = 0.0
@@ -49,6 +50,11 @@ class StepTimes:
     """``host_s`` of those steps."""
     decode_wall_s: float = 0.0
     """Wall time of those steps: in steady state, the device's step time."""
+    forward_passes: int = 0
+    """Forward passes the steps dispatched, a round of several decode steps counting as that many:
+    each reads every weight."""
+    kv_tokens_read: int = 0
+    """KV cache tokens those passes read (``_kv_tokens_read``): what bounds a decode step with the weights."""
 
 
 def _decodes_only(scheduler_output: SchedulerOutput) -> bool:
@@ -59,6 +65,18 @@ def _decodes_only(scheduler_output: SchedulerOutput) -> bool:
         and not scheduler_output.scheduled_new_reqs
         and scheduler_output.total_num_scheduled_tokens == num_reqs * scheduler_output.num_decode_steps
     )
+
+
+def _kv_tokens_read(scheduler_output: SchedulerOutput) -> int:
+    """KV cache tokens a step's forward passes read: each request's computed tokens and its new ones.
+
+    In a round of k decode steps each request reads one token more a step than the
+    step before: k times its computed tokens, plus 1 + 2 + ... + k.
+    """
+    computed = sum(new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs)
+    computed += sum(scheduler_output.scheduled_cached_reqs.num_computed_tokens)
+    steps = scheduler_output.num_decode_steps
+    return steps * computed + scheduler_output.total_num_scheduled_tokens * (steps + 1) // 2
 
 
 class LLMEngine:
@@ -222,6 +240,9 @@ class LLMEngine:
         times.wait_s += waited
         times.call_s += called
         times.host_s += host
+        if scheduler_output.total_num_scheduled_tokens:
+            times.forward_passes += scheduler_output.num_decode_steps
+            times.kv_tokens_read += _kv_tokens_read(scheduler_output)
         decodes_only = _decodes_only(scheduler_output)
         if decodes_only and self._last_dispatch_decodes_only:
             times.decode_steps += scheduler_output.num_decode_steps

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
@@ -22,22 +23,26 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import monitoring
 from tqdm.auto import tqdm
 
+from jaxrunner.compat import device_memory_stats
 from jaxrunner.config import CompilationConfig
 from jaxrunner.runner import step_functions
 from jaxrunner.runner.block_table import BlockTables
-from jaxrunner.runner.input_batch import SampleRows, StepShape
+from jaxrunner.runner.input_batch import SampleRows, StepShape, pack_step_buffer
 from jaxrunner.runner.kv_cache import KVCacheSpec
 from jaxrunner.runner.packed_rows import RowLayout
 from jaxrunner.runner.states import DeviceState, write_new_requests
-from jaxrunner.runner.step_functions import StepStatics
+from jaxrunner.runner.step_functions import ParamLeaves, StepStatics
 from jaxrunner.sample.sampling_state import bitmask_words
+
+logger = logging.getLogger(__name__)
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
-# Blocks of the throw-away KV cache the profile run compiles against.
+# Blocks of the throw-away KV cache the profile run compiles against and runs on.
 _PROFILE_NUM_BLOCKS = 16
 
 CompilerOptions = dict[str, str | bool | int]
@@ -47,6 +52,53 @@ def _compile(lowered: jax.stages.Lowered, options: CompilerOptions) -> jax.stage
     """``lowered.compile`` with XLA's ``options``."""
     # jax annotates compiler_options as dict[str, str | bool], yet XLA's option overrides take ints as well.
     return lowered.compile(compiler_options=options)  # pyright: ignore[reportArgumentType]
+
+
+def _allocated_bytes(program: jax.stages.Compiled) -> int:
+    """What ``program`` allocates when it runs, by XLA's memory analysis: its temporaries and its
+    outputs not aliased to donated inputs (0 where the backend gives no analysis)."""
+    analysis = program.memory_analysis()
+    if analysis is None:
+        return 0
+    return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+
+
+# jax/__init__.py assigns jax.Device (``Device = _xc.Device``), which pyright takes for a variable.
+def _stats(device: jax.Device) -> dict[str, int]:  # pyright: ignore[reportInvalidTypeForm]
+    """``device``'s allocator statistics, on a device known to keep them."""
+    stats = device_memory_stats(device)
+    assert stats is not None, "the profile run measures only on devices that keep memory statistics"
+    return stats
+
+
+# jax.Device: see _stats.
+def _hold_up_to_peak(device: jax.Device) -> jax.Array | None:  # pyright: ignore[reportInvalidTypeForm]
+    """Hold, in one array, what the allocator's peak so far exceeds what is in use, so that whatever
+    runs next raises the peak: JAX cannot reset it, and an earlier, higher one (while loading, say)
+    would hide the next. None when nothing is hidden."""
+    stats = _stats(device)
+    hidden = stats["peak_bytes_in_use"] - stats["bytes_in_use"]
+    return jnp.zeros(hidden, jnp.uint8, device=device) if hidden > 0 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationPeak:
+    """What the largest steps take beyond the weights, the caches and the request state, while they run.
+
+    ``measured_bytes`` is the allocator's peak while the profile run ran, less what
+    was in use before it; None where the backend keeps no statistics (the CPU) or the
+    run did not fit beside an earlier peak's hold (``_hold_up_to_peak``). ``xla_bytes``,
+    what the two programs allocate by XLA's memory analysis as if both at once, stands
+    in then and cross-checks the measurement otherwise.
+    """
+
+    xla_bytes: int
+    measured_bytes: int | None
+
+    @property
+    def bytes(self) -> int:
+        """The measured peak, or XLA's where nothing was measured."""
+        return self.xla_bytes if self.measured_bytes is None else self.measured_bytes
 
 
 # ---------------------------------------------------------------- ladders
@@ -306,16 +358,58 @@ class CompilationManager:
         """XLA's memory analysis of every compiled program, by kind and bucket."""
         return {p.name: p.memory_bytes() for p in self.programs}
 
-    def profile_run(self) -> int:
-        """Activation bytes of the largest steps, from XLA's memory analysis of their programs."""
+    def profile_run(
+        self,
+        params: ParamLeaves,
+        draft_params: ParamLeaves,
+        # jax/__init__.py assigns jax.Device (``Device = _xc.Device``), which pyright takes for a variable.
+        device: jax.Device,  # pyright: ignore[reportInvalidTypeForm]
+    ) -> ActivationPeak:
+        """The activation peak of the largest steps on ``device``: their forward and sampling programs, run once.
+
+        The programs are compiled for a throw-away cache of ``_PROFILE_NUM_BLOCKS``
+        blocks (a cache is donated in place, so its size adds no temporaries) and run
+        as the engine runs them, one after the other, on zeroed caches and state and a
+        step of the largest token bucket over as many requests as it holds. XLA's
+        buffers depend on shapes only, so dummy values take the memory real ones do.
+        The measurement is the allocator's peak over what was in use before, an earlier,
+        higher peak held first (``_hold_up_to_peak``). Where the backend keeps no memory
+        statistics (the CPU) nothing runs.
+        """
         tokens, reqs = self.token_buckets[-1], self.request_buckets[-1]
         forward = _compile(self._lower_forward(tokens, _PROFILE_NUM_BLOCKS), self.compiler_options(tokens))
         sample = _compile(self._lower_sample(reqs, _PROFILE_NUM_BLOCKS), self.compiler_options(reqs))
-        total = 0
-        for program in (forward, sample):
-            analysis = program.memory_analysis()
-            total += int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
-        return total
+        xla_bytes = _allocated_bytes(forward) + _allocated_bytes(sample)
+        if device_memory_stats(device) is None:
+            return ActivationPeak(xla_bytes, measured_bytes=None)
+        shape = self.step_shapes[tokens]
+        zeros = lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding)
+        caches, draft_caches, state = jax.tree.map(zeros, self._step_args(shape, _PROFILE_NUM_BLOCKS)[2:5])
+        no_grammar = np.zeros((reqs, bitmask_words(self.inputs.vocab_size)), np.int32), np.zeros(reqs, np.bool_)
+        try:
+            ballast = _hold_up_to_peak(device)
+            in_use = _stats(device)["bytes_in_use"]
+            _, draft_caches, state, sample_hidden, rows, _ = forward(
+                params, draft_params, caches, draft_caches, state, self._profile_step_buffer(shape)
+            )
+            jax.block_until_ready(sample(params, draft_params, draft_caches, sample_hidden, rows, state, *no_grammar))
+        except jax.errors.JaxRuntimeError as error:
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            logger.warning("Profile run out of memory beside an earlier peak's hold; XLA's analysis stands in.")
+            return ActivationPeak(xla_bytes, measured_bytes=None)
+        measured = _stats(device)["peak_bytes_in_use"] - in_use
+        del ballast  # held until the peak was read
+        logger.info("Profile run: %.3f GiB at peak (XLA's analysis: %.3f GiB)", measured / 2**30, xla_bytes / 2**30)
+        return ActivationPeak(xla_bytes, measured_bytes=measured)
+
+    def _profile_step_buffer(self, shape: StepShape) -> np.ndarray:
+        """The step buffer of ``shape.num_tokens`` tokens spread over ``shape.num_reqs`` requests, no block appended."""
+        num_scheduled = np.full(shape.num_reqs, shape.num_tokens // shape.num_reqs, np.int32)
+        num_scheduled[: shape.num_tokens % shape.num_reqs] += 1
+        slots = np.arange(shape.num_reqs, dtype=np.int32)
+        no_appends = np.full((3, shape.append_capacity), -1, np.int32)
+        return pack_step_buffer(shape, slots, num_scheduled, [], no_appends, self.statics.max_num_reqs)
 
     # -------------------------------------------------------------- lowering
 

@@ -7,9 +7,9 @@ import logging
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxrunner.compat import device_memory_stats
+from jaxrunner import envs
+from jaxrunner.compat import device_memory_stats, device_total_bytes
 from jaxrunner.config import CacheConfig
 
 logger = logging.getLogger(__name__)
@@ -56,55 +56,130 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, sharding: jax.shardin
     return [(zeros(), zeros()) for _ in range(spec.num_layers)]
 
 
-def determine_num_blocks(
-    spec: KVCacheSpec,
+# Bytes of each device the KV cache leaves free beyond the weights and the profiled peak. The profile
+# run sees the largest forward and sampling programs; not what a real step adds around them (its
+# inputs in transfer, the sampled tokens of the step before still on their way to the host), the
+# programs compiled after sizing (rounds of several decode steps, prompt logprobs), whose temporaries
+# may exceed the profiled ones, nor the allocator's fragmentation.
+KV_CACHE_MARGIN_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBudget:
+    """How one device's memory was shared out when the KV cache was sized (a mesh's devices alike).
+
+    vLLM's rule: an engine may use ``gpu_memory_utilization`` of the device's total memory;
+    the KV cache gets that, less what is in use once the model is loaded (``weights_bytes``:
+    the weights and the request state), less the peak the largest steps add while they run
+    (``activation_bytes``, from the profile run), less ``margin_bytes``. Where the backend
+    keeps no memory statistics (the CPU) the device's figures are None and the cache got
+    ``CacheConfig.cpu_kv_cache_bytes``; ``num_gpu_blocks_override`` leaves them all None.
+    ``bytes_per_block`` is this device's share of a block, a draft model's cache included.
+    """
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    gpu_memory_utilization: float
+    total_bytes: int | None = None
+    weights_bytes: int | None = None
+    activation_bytes: int | None = None
+    margin_bytes: int | None = None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """What the blocks take on this device."""
+        return self.num_blocks * self.bytes_per_block
+
+    def __str__(self) -> str:
+        gib = lambda size: f"{size / 2**30:.2f} GiB"
+        cache = (
+            f"KV cache {self.num_blocks} blocks, {self.num_blocks * self.block_size} tokens, "
+            f"{gib(self.kv_cache_bytes)} a device"
+        )
+        total, weights, activations, margin = (
+            self.total_bytes,
+            self.weights_bytes,
+            self.activation_bytes,
+            self.margin_bytes,
+        )
+        if total is None or weights is None or activations is None or margin is None:
+            return cache
+        return (
+            f"{self.gpu_memory_utilization} of {gib(total)} a device: weights {gib(weights)}, "
+            f"activation peak {gib(activations)}, margin {gib(margin)}; {cache}"
+        )
+
+    def summary(self) -> dict[str, float | int | None]:
+        """Sizes in GiB and the cache's blocks and tokens, for benchmark results."""
+        gib = lambda size: None if size is None else size / 2**30
+        return {
+            "total_gib": gib(self.total_bytes),
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "weights_gib": gib(self.weights_bytes),
+            "activation_peak_gib": gib(self.activation_bytes),
+            "margin_gib": gib(self.margin_bytes),
+            "kv_cache_blocks": self.num_blocks,
+            "kv_cache_tokens": self.num_blocks * self.block_size,
+            "kv_cache_gib": gib(self.kv_cache_bytes),
+        }
+
+
+def size_kv_cache(
+    block_size: int,
+    bytes_per_block: int,
     cache_config: CacheConfig,
     # jax/__init__.py assigns jax.Device (``Device = _xc.Device``), which pyright takes for a variable.
     device: jax.Device,  # pyright: ignore[reportInvalidTypeForm]
     activation_bytes: int,
     max_useful_blocks: int,
-    extra_bytes_per_block: int = 0,
-) -> int:
-    """Blocks that fit in what weights and the profiled activations leave on ``device``.
+) -> MemoryBudget:
+    """The blocks that fit on ``device`` by vLLM's rule (``MemoryBudget``), with the figures they came from.
 
-    ``spec`` is what one device holds of each block (``KVCacheSpec.per_device``);
-    the devices of a mesh are alike, so one device's budget sizes them all.
-    On a GPU: ``bytes_limit * gpu_memory_utilization - bytes_in_use - activations``.
-    Where the backend keeps no statistics (the CPU), the cache gets
-    ``cpu_kv_cache_bytes``, capped at what the runner can ever address.
-    ``extra_bytes_per_block`` is a second cache on the same block ids (a draft model's).
+    ``bytes_per_block`` is what one device holds of each block (``KVCacheSpec.per_device``),
+    a second cache on the same block ids (a draft model's) included; the devices of a
+    mesh are alike, so one device's budget sizes them all. Where the backend keeps no
+    statistics (the CPU), the cache gets ``cpu_kv_cache_bytes``, capped at what the
+    runner can ever address.
     """
-    bytes_per_block = spec.bytes_per_block + extra_bytes_per_block
-    if cache_config.num_gpu_blocks_override is not None:
-        return cache_config.num_gpu_blocks_override
+    utilization = cache_config.gpu_memory_utilization
     stats = device_memory_stats(device)
     if stats is None:
-        budget = cache_config.cpu_kv_cache_bytes
-        num_blocks = min(budget // bytes_per_block, max_useful_blocks)
-    else:
-        limit = stats["bytes_limit"] * cache_config.gpu_memory_utilization
-        budget = int(limit - stats["bytes_in_use"] - activation_bytes)
-        num_blocks = budget // bytes_per_block
-        logger.info(
-            "KV cache: %.2f GiB limit, %.2f GiB in use, %.2f GiB activations -> %d blocks",
-            limit / 2**30,
-            stats["bytes_in_use"] / 2**30,
-            activation_bytes / 2**30,
-            num_blocks,
+        num_blocks = min(cache_config.cpu_kv_cache_bytes // bytes_per_block, max_useful_blocks)
+        if num_blocks < 2:
+            raise ValueError(
+                f"Only {num_blocks} KV cache blocks of {bytes_per_block} bytes fit in "
+                f"CacheConfig.cpu_kv_cache_bytes ({cache_config.cpu_kv_cache_bytes}); raise it."
+            )
+        return MemoryBudget(num_blocks, block_size, bytes_per_block, utilization, activation_bytes=activation_bytes)
+    gib = lambda size: f"{size / 2**30:.2f} GiB"
+    total, pool, fraction = device_total_bytes(stats), stats["bytes_limit"], envs.gpu_memory_pool_fraction()
+    usable = int(total * utilization)
+    if usable > pool:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} asks for {gib(usable)}, more than JAX's memory pool holds: "
+            f"{gib(pool)}, {fraction} of the device's {gib(total)}. Lower gpu_memory_utilization to {fraction}, "
+            f"or set {envs.MEM_FRACTION_ENV_VARS[0]}={utilization} (or more) before JAX starts; unset, "
+            f"jaxrunner sets it to {envs.GPU_MEMORY_POOL_FRACTION}."
         )
+    weights = stats["bytes_in_use"]
+    left = usable - weights - activation_bytes - KV_CACHE_MARGIN_BYTES
+    num_blocks = max(left, 0) // bytes_per_block
     if num_blocks < 2:
         raise ValueError(
-            f"Only {max(num_blocks, 0)} KV cache blocks fit ({bytes_per_block} bytes each, "
-            f"budget {max(budget, 0)} bytes). Raise gpu_memory_utilization, lower "
-            "max_num_batched_tokens, or use a smaller model."
+            f"Only {num_blocks} KV cache blocks fit: gpu_memory_utilization={utilization} of the device's "
+            f"{gib(total)}, less {gib(weights)} in use after loading the model, {gib(activation_bytes)} for the "
+            f"largest steps' activations and a {gib(KV_CACHE_MARGIN_BYTES)} margin, leaves {gib(left)} for blocks "
+            f"of {bytes_per_block} bytes. Raise gpu_memory_utilization, lower max_num_batched_tokens or "
+            "max_num_seqs (smaller steps need less for activations), or use a smaller model."
         )
-    return int(num_blocks)
-
-
-def kv_cache_capacity(spec: KVCacheSpec, num_blocks: int) -> dict[str, float]:
-    """What the cache holds: blocks, tokens and GiB."""
-    return {
-        "num_blocks": num_blocks,
-        "num_tokens": num_blocks * spec.block_size,
-        "gib": float(np.float64(num_blocks) * spec.bytes_per_block / 2**30),
-    }
+    return MemoryBudget(
+        num_blocks,
+        block_size,
+        bytes_per_block,
+        utilization,
+        total_bytes=total,
+        weights_bytes=weights,
+        activation_bytes=activation_bytes,
+        margin_bytes=KV_CACHE_MARGIN_BYTES,
+    )

@@ -25,6 +25,7 @@ and the device state, step inputs and outputs replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
@@ -51,16 +52,16 @@ from jaxrunner.models.partitioning import param_shardings
 from jaxrunner.ops import AttentionBackend
 from jaxrunner.runner.async_output import AsyncOutput
 from jaxrunner.runner.block_table import BlockTables
-from jaxrunner.runner.compilation import CompilationManager, ProgramInputs, abstract, enable_compilation_cache
+from jaxrunner.runner.compilation import (
+    ActivationPeak,
+    CompilationManager,
+    ProgramInputs,
+    abstract,
+    enable_compilation_cache,
+)
 from jaxrunner.runner.decode_rounds import check_decode_round, check_num_decode_steps, check_round_output
 from jaxrunner.runner.input_batch import InputBatch, SampleRows, pack_step_buffer
-from jaxrunner.runner.kv_cache import (
-    KVCaches,
-    KVCacheSpec,
-    allocate_kv_caches,
-    determine_num_blocks,
-    kv_cache_capacity,
-)
+from jaxrunner.runner.kv_cache import KVCaches, KVCacheSpec, MemoryBudget, allocate_kv_caches, size_kv_cache
 from jaxrunner.runner.prompt_logprobs import PromptLogprobs
 from jaxrunner.runner.spec_decode.draft_model import DraftModel
 from jaxrunner.runner.spec_decode.drafter import Drafter
@@ -124,6 +125,7 @@ class ModelRunner:
         self.spans = Spans()
         self.model: CausalLM | None = None
         self.kv_caches: KVCaches | None = None
+        self.memory_budget: MemoryBudget | None = None  # how initialize_kv_cache shared out the device
         self.execute_model_state: _Dispatched | None = None
 
     @property
@@ -271,34 +273,42 @@ class ModelRunner:
 
         return load_named_model(name, dtype=self.model_config.dtype, seed=self.model_config.seed, mesh=self.mesh)
 
-    def profile_run(self) -> int:
-        """Activation bytes of the largest steps, from XLA's memory analysis of their programs."""
+    def profile_run(self) -> ActivationPeak:
+        """The activation peak of the largest steps, run once on dummy inputs (``CompilationManager.profile_run``)."""
         with self.spans("profile_run"):
-            return self.compilation.profile_run()
+            return self.compilation.profile_run(self._param_leaves, self._draft_leaves, self.mesh.local_devices[0])
 
     def initialize_kv_cache(self, num_blocks: int | None = None) -> int:
-        """Allocate the KV cache, sized from free memory after a profile run unless given."""
+        """Allocate the KV cache, sized by vLLM's rule after a profile run unless given; ``memory_budget`` says how."""
         with self.spans("initialize_kv_cache"):
             if num_blocks is None and self.cache_config.num_gpu_blocks_override is not None:
                 num_blocks = self.cache_config.num_gpu_blocks_override
+            tp = tensor_parallel_size(self.mesh)  # each device holds its share of every block, a drafter's too
+            bytes_per_block = sum(spec.per_device(tp).bytes_per_block for spec in self._kv_specs())
             if num_blocks is None:
-                tp = tensor_parallel_size(self.mesh)
-                draft = None if self.drafter is None else self.drafter.kv_spec.per_device(tp)
-                num_blocks = determine_num_blocks(
-                    self.kv_cache_spec.per_device(tp),
+                budget = size_kv_cache(
+                    self.block_size,
+                    bytes_per_block,
                     self.cache_config,
                     self.mesh.local_devices[0],
-                    activation_bytes=self.profile_run(),
+                    activation_bytes=self.profile_run().bytes,
                     max_useful_blocks=self.max_num_reqs * self.max_blocks_per_req + 1,
-                    extra_bytes_per_block=0 if draft is None else draft.bytes_per_block,
                 )
-                num_blocks = min_over_processes(num_blocks)  # every host holds the same blocks
+                num_blocks = min_over_processes(budget.num_blocks)  # every host holds the same blocks
+                self.memory_budget = dataclasses.replace(budget, num_blocks=num_blocks)
+            else:
+                utilization = self.cache_config.gpu_memory_utilization
+                self.memory_budget = MemoryBudget(num_blocks, self.block_size, bytes_per_block, utilization)
             self.num_blocks = self.compilation.num_blocks = num_blocks
             self.kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks, self.kv_cache_sharding)
             if self.drafter is not None:
                 self.draft_kv_caches = allocate_kv_caches(self.drafter.kv_spec, num_blocks, self.kv_cache_sharding)
-            logger.info("KV cache: %s", kv_cache_capacity(self.kv_cache_spec, num_blocks))
+            logger.info("Memory: %s", self.memory_budget)
             return num_blocks
+
+    def _kv_specs(self) -> list[KVCacheSpec]:
+        """The caches on the block ids the scheduler hands out: the model's, and a drafter's."""
+        return [self.kv_cache_spec] + ([] if self.drafter is None else [self.drafter.kv_spec])
 
     def capture_model(self) -> float:
         """Precompile every program of every bucket (the counterpart of CUDA graph capture); returns seconds."""
