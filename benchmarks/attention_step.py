@@ -376,15 +376,24 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
     return {name: config for config, name in unique.items()}
 
 
-def sweep_case(kind, batch, context, heads: Heads = LLAMA3_8B, block_size: int = BLOCK_SIZE) -> dict:
+def sweep_case(
+    kind, batch, context, heads: Heads = LLAMA3_8B, block_size: int = BLOCK_SIZE, cache_dtype=jnp.bfloat16
+) -> dict:
     """Time and check every candidate config of one case, and the shipped baseline in the same run;
     the fastest correct config wins."""
     q_lens, seq_lens = lengths(kind, batch, context)
-    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, heads, block_size)
+    q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, heads, block_size, cache_dtype=cache_dtype)
     ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=heads.sm_scale))
-    expected = ref(q, k_cache, v_cache, metadata)
+    expected = ref(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), metadata)
     base = config_for(q, k_cache, metadata)
-    row = {"kind": kind, "batch": batch, "context": context, "configs": {}}
+    row = {
+        "kind": kind,
+        "batch": batch,
+        "context": context,
+        "cache_dtype": jnp.dtype(cache_dtype).name,
+        "kv_bytes": kv_bytes(seq_lens, heads, jnp.dtype(cache_dtype).itemsize),
+        "configs": {},
+    }
     for name, config in candidate_configs(base).items():
         entry: dict[str, Any] = {"config": dataclasses.asdict(config)}
         try:
@@ -516,7 +525,7 @@ def main() -> None:
         rows = []
         cases: list[tuple[str, int, int]] = args.only or SWEEP_CASES
         for kind, batch, context in cases:  # written after each case, so a cut-short run keeps what it measured
-            rows.append(sweep_case(kind, batch, context, heads, args.block_size))
+            rows.append(sweep_case(kind, batch, context, heads, args.block_size, CACHE_DTYPES[args.cache_dtype]))
             write_json(args.out, {**facts, "heads": args.heads, "block_size": args.block_size, "sweep": rows})
         return
     floors = measure_floors(args.floor_elements)

@@ -132,10 +132,16 @@ def measure_floors(elements: int) -> dict[str, float]:
     return floors
 
 
+TORCH_COPY_MAX_ELEMENTS = 1 << 27
+"""torch copies at most 256 MiB: JAX's pool holds most of the GPU, and 256 MiB is five times the L2."""
+
+
 def torch_copy_bytes_per_s(elements: int) -> dict[str, float | str]:
-    """torch's device-to-device copy rate of ``elements`` bf16 values (read + written), or why there is none."""
+    """torch's device-to-device copy rate of ``elements`` bf16 values, at most ``TORCH_COPY_MAX_ELEMENTS``
+    (read + written), or why there is none."""
     if jax.default_backend() != "gpu":
         return {"torch_copy_error": "no GPU: JAX's copy is the floor"}
+    elements = min(elements, TORCH_COPY_MAX_ELEMENTS)
     try:
         import torch
 

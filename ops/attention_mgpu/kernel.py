@@ -163,7 +163,7 @@ def _kernel_body(
                 slot = lax.rem(stage - lo, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
                 if widen:
-                    keys = _widened(k_smem.at[slot], k_wide.at[wg])
+                    keys = _widened(k_smem.at[slot], k_wide.at[wg], interpreted)
                     plgpu.barrier_arrive(k_free.at[slot])
                     s = _scores(q_smem.at[wg], keys, interpreted, rendezvous if config.pingpong else None)
                 else:
@@ -187,7 +187,7 @@ def _kernel_body(
                     plgpu.barrier_wait(v_bar.at[slot])
                 values = v_smem.at[slot]
                 if widen:
-                    values = _widened(values, v_wide.at[wg])
+                    values = _widened(values, v_wide.at[wg], interpreted)
                     plgpu.barrier_arrive(v_free.at[slot])
                 acc = _accumulate_values(acc, alpha, p.astype(dtype), values, config.accumulate_in_place, interpreted)
                 if not widen:
@@ -331,9 +331,16 @@ def _accumulate_values(
     return acc * scale + pv_out
 
 
-def _widened(narrow_smem, wide_smem):
-    """One stage of an FP8 ring widened into the 16-bit copy wgmma reads, made visible to the tensor cores."""
-    wide_smem[...] = narrow_smem[...].astype(wide_smem.dtype)
+def _widened(narrow_smem, wide_smem, interpreted: bool):
+    """One stage of an FP8 ring widened into the 16-bit copy wgmma reads, made visible to the tensor cores.
+
+    Loaded in the 8-bit wgmma layout: four FP8 values (32 bits) a shared-memory load.
+    """
+    if interpreted:  # the interpreter takes no layout hints
+        narrow = narrow_smem[...]
+    else:
+        narrow = plgpu.load(narrow_smem, (), layout=plgpu.Layout.WGMMA_8BIT)
+    wide_smem[...] = narrow.astype(wide_smem.dtype)
     plgpu.commit_smem()
     return wide_smem
 
