@@ -28,9 +28,27 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.max_model_len must be positive; got {self.max_model_len}.")
 
 
+CACHE_DTYPES = {
+    "auto": None,
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "float32": "float32",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+"""vLLM's ``kv_cache_dtype`` names and the dtype each stores ("auto": the model's)."""
+
+
 @dataclasses.dataclass
 class CacheConfig:
     """The paged KV cache.
+
+    ``cache_dtype`` is one of :data:`CACHE_DTYPES` (vLLM's names). An FP8 cache
+    stores every K (V) value as ``value / k_scale`` (``v_scale``), saturated to
+    the format's range, with one scale per layer: the checkpoint's, else 1.0;
+    ``calculate_kv_scales`` (vLLM's option) instead sets each layer's from the
+    first keys and values it writes (``max|k| / 200``, ``max|v| / 100``), once.
 
     ``gpu_memory_utilization`` is vLLM's: the fraction of each device's total
     memory the engine may use. The KV cache gets that, less what is in use once
@@ -45,6 +63,7 @@ class CacheConfig:
 
     block_size: int = 16
     cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_bytes: int = 1 << 30
@@ -53,10 +72,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"CacheConfig.block_size must be a power of two; got {self.block_size}.")
-        if self.cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(
-                "CacheConfig.cache_dtype must be 'auto' (the model dtype), 'bfloat16', "
-                f"'float16' or 'float32'; got {self.cache_dtype!r}."
+                f"CacheConfig.cache_dtype (kv_cache_dtype) {self.cache_dtype!r} is not one of "
+                f"{', '.join(map(repr, CACHE_DTYPES))} ('auto': the model's dtype; 'fp8' is 'fp8_e4m3')."
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

@@ -9,6 +9,8 @@ Linear's ``kernel`` (``[in, out]``, HF's ``weight`` transposed) and an Embed's
 ``embedding`` both called ``weight``. A merged projection's parameter
 (``qkv_proj``, ``gate_up_proj``) is assembled from its parts' tensors
 (``q_proj``, ``k_proj``, ``v_proj``...), each device reading its slice of each.
+An attention layer's KV cache scales (``KVScale``) come from the tensors vLLM
+reads for them (:data:`KV_SCALE_NAMES`), else are 1.0.
 """
 
 import functools
@@ -29,11 +31,23 @@ from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.partitioning import logical_axes, param_sharding, param_shardings
 from jaxrunner.models.registry import model_class
 from jaxrunner.models.safetensors_io import CheckpointError, checkpoint_files, iter_tensors
-from jaxrunner.models.transformer import CausalLM, MergedProjection, TransformerConfig
+from jaxrunner.models.transformer import CausalLM, KVScale, MergedProjection, TransformerConfig
 from jaxrunner.sharding import make_mesh
 
 _HF_LEAF_NAMES = {"kernel": "weight", "embedding": "weight"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved
+
+KV_SCALE_NAMES = {
+    "k_scale": ("k_scale",),
+    "v_scale": ("v_scale",),
+    "kv_scale": ("k_scale", "v_scale"),  # older checkpoints: one scale for both
+    "k_proj.output_scale": ("k_scale",),  # compressed-tensors, Quark
+    "v_proj.output_scale": ("v_scale",),
+    "k_proj.k_scale": ("k_scale",),  # ModelOpt
+    "v_proj.v_scale": ("v_scale",),
+}
+"""Checkpoint names of an attention layer's KV cache scales, after its ``self_attn``, and which of its
+scales each sets: vLLM's ``maybe_remap_kv_scale_name`` and its quantization configs' ``get_cache_scale``."""
 
 
 def load_model(
@@ -132,14 +146,49 @@ def hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _kv_scale_sources(model: nnx.Module) -> dict[str, list[tuple]]:
+    """Each checkpoint name of a KV cache scale, and the paths of the ``KVScale`` variables it sets."""
+    sources: dict[str, list[tuple]] = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, KVScale):
+            for suffix, scales in KV_SCALE_NAMES.items():
+                if path[-1] in scales:
+                    sources.setdefault(hf_name((*path[:-1], suffix)), []).append(path)
+    return sources
+
+
+def _kv_scale_value(name: str, array: np.ndarray, file: Path) -> float:
+    """A checkpoint's KV cache scale as a float: one positive finite value (per layer, as vLLM reads it)."""
+    if array.size != 1:
+        raise CheckpointError(
+            f"{file}: tensor {name!r} has shape {array.shape}; a KV cache scale is one value per layer "
+            "(per-head or per-channel scales are not supported)"
+        )
+    value = float(array.reshape(()))
+    if not (math.isfinite(value) and value > 0):
+        raise CheckpointError(f"{file}: tensor {name!r} is {value}; a KV cache scale must be positive and finite")
+    return value
+
+
+def _fill_kv_scales(model: nnx.Module, loaded: dict[tuple, float], mesh: Mesh) -> None:
+    """Sets every ``KVScale`` of the abstract ``model`` to its ``loaded`` value, else 1.0, on every device."""
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, KVScale):
+            node.set_value(jax.device_put(np.float32(loaded.get(path, 1.0)), param_sharding(mesh, path)))
+
+
 def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.dtype, mesh: Mesh) -> None:
-    """Sets every parameter of the abstract ``model`` from the checkpoint, checking names and shapes.
+    """Sets every parameter of the abstract ``model`` from the checkpoint, checking names and shapes,
+    and its KV cache scales (1.0 where the checkpoint has none).
 
     Each lands in its sharding on ``mesh`` (the model's); a padded vocabulary's extra rows are zeros.
     """
     params = {path: var for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
     sources = hf_parts(model)
     owner = {name: path for path, parts in sources.items() for name, _ in parts}
+    scale_sources = _kv_scale_sources(model)
+    scales: dict[tuple, float] = {}
+    scale_set_by: dict[tuple, str] = {}
     received: dict[tuple, dict[str, tuple[np.ndarray, Path]]] = {}
     loaded_from: dict[str, Path] = {}
     files = checkpoint_files(model_dir)
@@ -151,6 +200,17 @@ def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.
                 continue
             if name in loaded_from:
                 raise CheckpointError(f"{file}: tensor {name!r} was already loaded from {loaded_from[name]}")
+            if name in scale_sources:
+                loaded_from[name] = file
+                for path in scale_sources[name]:
+                    if path in scale_set_by:
+                        raise CheckpointError(
+                            f"{file}: tensor {name!r} sets a KV cache scale that {scale_set_by[path]!r} set "
+                            "already; a checkpoint must give each layer's scale once"
+                        )
+                    scale_set_by[path] = name
+                    scales[path] = _kv_scale_value(name, array, file)
+                continue
             if name not in owner:
                 raise CheckpointError(f"{file}: unexpected tensor {name!r}; the model has no such parameter")
             loaded_from[name] = file
@@ -166,6 +226,7 @@ def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.
                 parts = [(n, *received[path][n], slots) for n, slots in sources[path] if slots is not None]
                 var.set_value(_to_merged_param(parts, path, shape, param_dtype, sharding))
             del received[path]
+    _fill_kv_scales(model, scales, mesh)
     missing = sorted(name for name in owner if name not in loaded_from)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -30,6 +30,8 @@ PARAM_LOGICAL_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     **{(name, "kernel"): axes for name, axes in _LINEAR_AXES.items()},
     **{(name, "bias"): axes[1:] for name, axes in _LINEAR_AXES.items()},
     **{(name, "weight"): (axis,) for name, axis in _NORM_AXES.items()},
+    ("self_attn", "k_scale"): (),  # the KV cache scales: one scalar per layer, on every device
+    ("self_attn", "v_scale"): (),
 }
 """Logical axes of every parameter, by (module name, leaf name)."""
 

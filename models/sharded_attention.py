@@ -33,24 +33,29 @@ def write_and_attend(
     mesh: Mesh | None,
     backend: AttentionBackend | None = None,
     sm_scale: float,
+    kv_scales: tuple[Float[Array, ""], Float[Array, ""]] | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> tuple[Float[Array, "num_tokens num_q_heads head_dim"], tuple[Cache, Cache]]:
     """Write this step's K/V at ``metadata.slot_mapping``, then attend over the cache.
 
     ``backend`` picks both implementations (None: JAX's default devices' backend);
-    the other options go to :func:`ragged_paged_attention`. Returns the attention
+    ``kv_scales`` (``(k_scale, v_scale)``, None for an unscaled cache) go to both
+    ops; the other options go to :func:`ragged_paged_attention`. Returns the attention
     output and the updated ``(k_cache, v_cache)``, sharded as they came in.
     """
     ops = backend or AttentionBackend.default()
 
-    def local(q, k, v, k_cache, v_cache, metadata):  # on this device's shard of the heads
+    def local(q, k, v, k_cache, v_cache, metadata, kv_scales):  # on this device's shard of the heads
+        k_scale, v_scale = (None, None) if kv_scales is None else kv_scales
         k_cache, v_cache = write_kv(
             k_cache,
             v_cache,
             k,
             v,
             metadata.slot_mapping,
+            k_scale=k_scale,
+            v_scale=v_scale,
             impl=ops.kv_write_impl(k.shape[0], k_cache),
             interpret=ops.interpret,
         )
@@ -60,6 +65,8 @@ def write_and_attend(
             v_cache,
             metadata,
             sm_scale=sm_scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             impl=ops.attention_impl(q, k_cache),
@@ -72,9 +79,9 @@ def write_and_attend(
         local = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(_Q_SPEC, _KV_SPEC, _KV_SPEC, _CACHE_SPEC, _CACHE_SPEC, PartitionSpec()),
+            in_specs=(_Q_SPEC, _KV_SPEC, _KV_SPEC, _CACHE_SPEC, _CACHE_SPEC, PartitionSpec(), PartitionSpec()),
             out_specs=(_Q_SPEC, _CACHE_SPEC, _CACHE_SPEC),
             check_vma=False,
         )
-    out, k_cache, v_cache = local(q, k, v, *kv_cache, metadata)
+    out, k_cache, v_cache = local(q, k, v, *kv_cache, metadata, kv_scales)
     return out, (k_cache, v_cache)

@@ -29,10 +29,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxrunner.models.sharded_attention import write_and_attend
 from jaxrunner.ops import AttentionBackend, AttentionMetadata
+from jaxrunner.ops.kv_write import is_fp8
 from jaxrunner.sharding import RULES, padded_vocab_size, replicated, tensor_parallel_size
 
 KVCache = tuple[
@@ -42,6 +43,21 @@ KVCache = tuple[
 """One layer's ``(k_cache, v_cache)``."""
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+
+K_SCALE_CONSTANT = 200.0
+V_SCALE_CONSTANT = 100.0
+"""Computed scales are ``max|k| / K_SCALE_CONSTANT`` and ``max|v| / V_SCALE_CONSTANT`` (vLLM's defaults
+of its ``K_SCALE_CONSTANT``/``V_SCALE_CONSTANT``): the largest value lands at 200 (100), below e4m3's 448."""
+
+PENDING_KV_SCALE = 0.0
+"""A KV scale still to be computed (``calculate_kv_scales``): no real scale is 0."""
+
+
+class KVScale(nnx.Variable):
+    """One attention layer's K (or V) cache scale, a float32 scalar: a stored value times it is the real one.
+
+    The checkpoint's (``self_attn.k_scale``...), else 1.0; read only by FP8 caches.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +303,10 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.sliding_window = config.layer_sliding_window(layer)
         self.mesh = mesh
+        self.k_scale = KVScale(jnp.ones((), jnp.float32))
+        self.v_scale = KVScale(jnp.ones((), jnp.float32))
+        # vLLM's flag: pending scales (PENDING_KV_SCALE) are set from the first keys and values written.
+        self.calculate_kv_scales = False
 
     def __call__(
         self,
@@ -315,9 +335,34 @@ class Attention(nnx.Module):
             mesh=self.mesh,
             backend=attention_backend,
             sm_scale=self.head_dim**-0.5,
+            kv_scales=self.kv_scales(k, v, metadata.slot_mapping >= 0) if is_fp8(kv_cache[0].dtype) else None,
             sliding_window=self.sliding_window,
         )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv_cache
+
+    def kv_scales(
+        self,
+        k: Float[Array, "num_tokens num_kv_heads head_dim"],
+        v: Float[Array, "num_tokens num_kv_heads head_dim"],
+        written: Bool[Array, " num_tokens"],
+    ) -> tuple[Float[Array, ""], Float[Array, ""]]:
+        """The ``(k_scale, v_scale)`` this step writes and reads the FP8 cache with.
+
+        With ``calculate_kv_scales``, a pending scale becomes, for good, ``max|k| /
+        K_SCALE_CONSTANT`` (``max|v| / V_SCALE_CONSTANT``) over the rows written (on
+        the device: a select, so no step compiles twice). One that stays pending (all
+        written rows zero, or none) reads as 1: the zeros it stored are right under
+        any later scale.
+        """
+        if not self.calculate_kv_scales:
+            return self.k_scale[...], self.v_scale[...]
+        scales = []
+        for scale, x, constant in ((self.k_scale, k, K_SCALE_CONSTANT), (self.v_scale, v, V_SCALE_CONSTANT)):
+            amax = jnp.max(jnp.where(written[:, None, None], jnp.abs(x.astype(jnp.float32)), 0.0))
+            value = jnp.where(scale[...] == PENDING_KV_SCALE, amax / constant, scale[...])
+            scale.set_value(value)
+            scales.append(jnp.where(value == PENDING_KV_SCALE, 1.0, value))
+        return scales[0], scales[1]
 
 
 class MLP(nnx.Module):

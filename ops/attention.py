@@ -1,5 +1,6 @@
 """The public ragged paged attention entry: one signature, several implementations."""
 
+import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jaxrunner.compat import mosaic_gpu_interpreter
@@ -16,6 +17,8 @@ def ragged_paged_attention(
     metadata: AttentionMetadata,
     *,
     sm_scale: float,
+    k_scale: Float[Array, ""] | None = None,
+    v_scale: Float[Array, ""] | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     impl: str | None = None,
@@ -24,7 +27,13 @@ def ragged_paged_attention(
     """Causal attention of a packed mixed batch over the paged KV cache.
 
     See :func:`ragged_paged_attention_reference` for the semantics every
-    implementation shares. ``impl`` is one of ``attention_backend.IMPLEMENTATIONS``;
+    implementation shares. A scaled (FP8) cache holds ``k / k_scale`` and
+    ``v / v_scale`` (float32 scalars; None: 1). Since ``q . (k_scale k') =
+    (k_scale q) . k'`` and the output is linear in V, the scales are applied here,
+    once for every implementation: the queries are multiplied by ``k_scale`` (in
+    float32, then back to their dtype), the implementation reads the cache as it
+    is stored (an FP8 value is exact in bf16), and its output is multiplied by
+    ``v_scale`` in float32. ``impl`` is one of ``attention_backend.IMPLEMENTATIONS``;
     ``interpret`` runs the Mosaic GPU kernel through its interpreter. A runner
     passes both, from its ``AttentionBackend``. For a direct call, None resolves
     them from JAX's default devices and ``$JAXRUNNER_ATTENTION_IMPL``: the kernel on
@@ -36,17 +45,23 @@ def ragged_paged_attention(
         interpret = backend.interpret if interpret is None else interpret
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attention impl {impl!r}; valid: {', '.join(map(repr, IMPLEMENTATIONS))}")
+    if k_scale is not None:
+        q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
     if impl == "reference":
-        return ragged_paged_attention_reference(
+        out = ragged_paged_attention_reference(
             q, k_cache, v_cache, metadata, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
         )
-    return ragged_paged_attention_mgpu(
-        q,
-        k_cache,
-        v_cache,
-        metadata,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        interpret=mosaic_gpu_interpreter() if interpret else None,
-    )
+    else:
+        out = ragged_paged_attention_mgpu(
+            q,
+            k_cache,
+            v_cache,
+            metadata,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            interpret=mosaic_gpu_interpreter() if interpret else None,
+        )
+    if v_scale is not None:
+        out = (out.astype(jnp.float32) * v_scale).astype(out.dtype)
+    return out

@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array
 
 from jaxrunner import envs
@@ -60,11 +62,32 @@ class AttentionBackend:
         return cls.for_devices(jax.devices(), impl)
 
     def attention_impl(self, q: Array, k_cache: Array) -> str:
-        """The attention implementation for these shapes: the forced one, else the kernel where it applies."""
+        """The attention implementation for these shapes: the forced one, else the kernel where it applies
+        (to the queries' dtype and the cache's, which differ for an FP8 cache)."""
         if self.impl is not None:
             return self.impl
-        fits = attention_mgpu.kernel_supports(q.dtype, q.shape[-1], k_cache.shape[1])
+        head_dim, block_size = q.shape[-1], k_cache.shape[1]
+        fits = attention_mgpu.kernel_supports(q.dtype, head_dim, block_size, k_cache.dtype)
         return "mosaic_gpu" if self.hopper and fits else "reference"
+
+    def check_kv_cache_dtype(self, kv_dtype: DTypeLike, model_dtype: DTypeLike, head_dim: int, block_size: int) -> None:
+        """Refuse, at start, a cache dtype other than the model's (an FP8 cache) that the forced kernel cannot read.
+
+        With the impl left automatic such a cache falls back to the reference; a
+        forced "mosaic_gpu" would fail inside the kernel at the first trace instead.
+        """
+        if self.impl != "mosaic_gpu" or jnp.dtype(kv_dtype) == jnp.dtype(model_dtype):
+            return
+        if attention_mgpu.kernel_supports(model_dtype, head_dim, block_size, kv_dtype):
+            return
+        candidates = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+        takes = [name for name in candidates if attention_mgpu.kernel_supports(model_dtype, head_dim, block_size, name)]
+        raise ValueError(
+            f"The Mosaic GPU attention kernel (attention impl 'mosaic_gpu', argument or "
+            f"${envs.ATTENTION_IMPL_ENV_VAR}) cannot read a {jnp.dtype(kv_dtype).name} KV cache with head_dim "
+            f"{head_dim} and block_size {block_size}; for these it takes {', '.join(takes) or 'no cache dtype'}. "
+            "Choose one of those (CacheConfig.cache_dtype / kv_cache_dtype), or the 'reference' attention impl."
+        )
 
     def kv_write_impl(self, num_tokens: int, k_cache: Array) -> str:
         """The KV-write implementation: the forced one, else the kernel for large writes whose rows it can copy."""

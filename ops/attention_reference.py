@@ -160,8 +160,9 @@ def ragged_paged_attention_reference(
     (HF convention: ``sliding_window`` keys including itself). ``soft_cap`` maps scaled
     scores to ``soft_cap * tanh(s / soft_cap)``. None (or 0) turns either off. Query head
     ``h`` reads kv head ``h // (num_q_heads // num_kv_heads)``. The current step's K/V
-    must already be in the cache. Padded tokens and requests give zeros. Accumulates in
-    float32; returns q's dtype. ``max_chunk_elements`` bounds per-chunk memory.
+    must already be in the cache, in any float dtype (FP8 too: its values are read as
+    stored, see :func:`jaxrunner.ops.ragged_paged_attention` for scales). Padded tokens
+    and requests give zeros. Accumulates in float32; returns q's dtype. ``max_chunk_elements`` bounds per-chunk memory.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

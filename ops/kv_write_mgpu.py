@@ -72,7 +72,8 @@ def write_kv_mgpu(
 ) -> tuple[Cache, Cache]:
     """Write one layer's new K/V rows at ``slot_mapping`` (slot -1 skipped) and return the caches.
 
-    New values are cast to the cache dtype first. ``interpret`` (an
+    New values are cast to the cache dtype first, plainly: :func:`jaxrunner.ops.kv_write.write_kv`
+    scales and saturates the rows of an FP8 cache before it calls this. ``interpret`` (an
     ``InterpretGPUParams``) runs the kernel through the Mosaic GPU interpreter on
     the CPU. A token's row must be a multiple of 128 bytes (every model the
     attention kernel takes has such rows); others get a ValueError.

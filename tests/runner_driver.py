@@ -40,6 +40,8 @@ def make_runner(
     request_buckets: list[int] | None = None,
     num_blocks: int = 128,
     block_size: int = 16,
+    cache_dtype: str = "auto",
+    calculate_kv_scales: bool = False,
     max_model_len: int = 256,
     cache_dir: str = "",
     mesh: Mesh | None = None,
@@ -49,7 +51,12 @@ def make_runner(
     """A runner with ``model`` loaded and its KV cache allocated; ``mesh`` as the model's for TP."""
     config = RunnerConfig(
         model_config=ModelConfig(max_model_len=max_model_len, dtype=str(model.dtype)),
-        cache_config=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
+        cache_config=CacheConfig(
+            block_size=block_size,
+            num_gpu_blocks_override=num_blocks,
+            cache_dtype=cache_dtype,
+            calculate_kv_scales=calculate_kv_scales,
+        ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,

@@ -105,7 +105,7 @@ def test_donated_write_is_in_place(impl):
 
 
 @pytest.mark.parametrize("cache_shape", [(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM), (2048, 16, 8, 128)])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_kernel_lowers_for_cuda(cache_shape, dtype):
     """Mosaic GPU's lowering checks the kernel's copies (sizes, alignment) as a GPU compile would."""
     cache = jax.ShapeDtypeStruct(cache_shape, dtype)

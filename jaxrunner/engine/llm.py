@@ -61,7 +61,9 @@ class LLM:
     byte-level tokenizer) with nothing to download. Keyword arguments set the
     engine: ``dtype`` ("auto" takes the checkpoint's), ``max_model_len``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
-    ``gpu_memory_utilization``, ``num_gpu_blocks_override``,
+    ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``kv_cache_dtype``
+    (vLLM's names: "auto", "bfloat16", "fp8"/"fp8_e4m3", "fp8_e5m2"...),
+    ``calculate_kv_scales`` (an FP8 cache's scales from its first writes),
     ``enable_prefix_caching``, ``enable_chunked_prefill``, ``async_scheduling``
     (on: step k+1 is scheduled and dispatched while step k's tokens are on their
     way to the host), ``num_scheduler_steps`` (vLLM's multi-step scheduling: up
@@ -92,6 +94,8 @@ class LLM:
         block_size: int = 16,
         gpu_memory_utilization: float = 0.9,
         num_gpu_blocks_override: int | None = None,
+        kv_cache_dtype: str = "auto",
+        calculate_kv_scales: bool = False,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = True,
@@ -133,6 +137,8 @@ class LLM:
                 block_size=block_size,
                 gpu_memory_utilization=gpu_memory_utilization,
                 num_gpu_blocks_override=num_gpu_blocks_override,
+                cache_dtype=kv_cache_dtype,
+                calculate_kv_scales=calculate_kv_scales,
                 enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxrunner.config import ParallelConfig, RunnerConfig
+from jaxrunner.config import CACHE_DTYPES, ParallelConfig, RunnerConfig
 from jaxrunner.interfaces import (
     AsyncModelRunnerOutput,
     GrammarOutput,
@@ -49,6 +49,7 @@ from jaxrunner.models import CausalLM, TransformerConfig
 from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.loader import load_eagle_head
 from jaxrunner.models.partitioning import param_shardings
+from jaxrunner.models.transformer import PENDING_KV_SCALE, KVScale
 from jaxrunner.ops import AttentionBackend
 from jaxrunner.runner.async_output import AsyncOutput
 from jaxrunner.runner.block_table import BlockTables
@@ -146,6 +147,7 @@ class ModelRunner:
         With a draft-model speculative config, ``draft_model`` (or the one the
         config names) proposes the drafts. Under tensor parallelism a given model
         must have been built for this runner's mesh (``mesh=runner.mesh``).
+        ``CacheConfig.calculate_kv_scales`` is set on the models' attention layers.
         """
         with self.spans("load_model"):
             if model is None:
@@ -157,11 +159,13 @@ class ModelRunner:
             self.vocab_size = self.model_arch.vocab_size
             self.max_model_len = self.model_config.max_model_len or self.model_arch.max_position_embeddings
             self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
-            graphdef, params = nnx.split(self._built_for_mesh(model))
+            graphdef, params = nnx.split(self._with_kv_scale_mode(self._built_for_mesh(model)))
             self.params = self._place(params)
             self._param_leaves, params_treedef = jax.tree.flatten(self.params)
-            cache_dtype = self.cache_config.cache_dtype
-            kv_dtype = model.dtype if cache_dtype == "auto" else jnp.dtype(cache_dtype)
+            kv_dtype = jnp.dtype(CACHE_DTYPES[self.cache_config.cache_dtype] or model.dtype)
+            self.attention_backend.check_kv_cache_dtype(
+                kv_dtype, model.dtype, self.model_arch.head_dim, self.block_size
+            )
             self.kv_cache_spec = KVCacheSpec(
                 num_layers=self.model_arch.num_layers,
                 block_size=self.block_size,
@@ -187,8 +191,12 @@ class ModelRunner:
                 self.vocab_size,
                 self.num_spec,
             )
-            self.device_state = jax.jit(zeros, out_shardings=self.replicated)()  # made in place on the mesh
             self.drafter = self._load_drafter(draft_model, kv_dtype)
+            self.device_state = dataclasses.replace(
+                jax.jit(zeros, out_shardings=self.replicated)(),  # made in place on the mesh
+                kv_scales=self._initial_kv_scales(self.params),
+                draft_kv_scales=self._initial_kv_scales(None if self.drafter is None else self.drafter.params),
+            )
             draft_params = None if self.drafter is None else self._place(self.drafter.params)
             self._draft_leaves, draft_params_treedef = jax.tree.flatten(draft_params)
             self.draft_kv_caches: KVCaches = []
@@ -217,10 +225,10 @@ class ModelRunner:
         logger.info("Model loaded in %.1f s", self.spans.seconds["load_model"])
 
     def _load_drafter(self, draft_model: CausalLM | None, kv_dtype) -> Drafter | None:
-        """The on-device proposer the speculative config names, if any."""
+        """The on-device proposer the speculative config names, if any; its KV cache is the target's dtype."""
         method = None if self.config.speculative_config is None else self.config.speculative_config.method
         if method == "draft_model":
-            draft_model = draft_model or self._load_named(self._draft_model_name())
+            draft_model = self._with_kv_scale_mode(draft_model or self._load_named(self._draft_model_name()))
             return DraftModel.from_model(self._built_for_mesh(draft_model), self.block_size, kv_dtype, self.vocab_size)
         if method == "eagle":
             head = draft_model or load_eagle_head(
@@ -229,9 +237,25 @@ class ModelRunner:
             if not isinstance(head, EagleHead):
                 raise TypeError(f"EAGLE speculative decoding drafts with an EagleHead, not a {type(head).__name__}.")
             return EagleDrafter.from_head(
-                self._built_for_mesh(head), self.block_size, kv_dtype, self.model_arch.hidden_size
+                self._built_for_mesh(self._with_kv_scale_mode(head)),
+                self.block_size,
+                kv_dtype,
+                self.model_arch.hidden_size,
             )
         return None
+
+    def _with_kv_scale_mode(self, module: _OnMesh) -> _OnMesh:
+        """``module``, its attention layers computing pending KV cache scales if ``calculate_kv_scales``."""
+        module.set_attributes(calculate_kv_scales=self.cache_config.calculate_kv_scales)
+        return module
+
+    def _initial_kv_scales(self, params: nnx.State | None) -> nnx.State:
+        """The device state's KV cache scales of a module's ``params`` (None: no module): copies of the
+        loaded ones (the state is donated), or pending ones (set by the first write) with ``calculate_kv_scales``."""
+        scales = nnx.State({}) if params is None else nnx.filter_state(params, KVScale)
+        pending = self.cache_config.calculate_kv_scales
+        scales = jax.tree.map(lambda s: jnp.full_like(s, PENDING_KV_SCALE) if pending else jnp.copy(s), scales)
+        return jax.device_put(scales, self.replicated)
 
     def _program_inputs(self, model: CausalLM) -> ProgramInputs:
         return ProgramInputs(

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jaxtyping import Array, Int
 
 from jaxrunner.config import SamplerConfig
@@ -54,6 +55,10 @@ class DeviceState:
     sampling: SamplingArrays
     # Drafts a draft model proposed on the device for each request's next step.
     draft_tokens: Int[Array, "max_reqs num_spec"]
+    # The KV cache scales in use (the model's and the drafter's ``KVScale`` variables): the loaded ones, or
+    # pending ones the first writes set (``calculate_kv_scales``); they override the parameters' copies.
+    kv_scales: nnx.State = dataclasses.field(default_factory=lambda: nnx.State({}))
+    draft_kv_scales: nnx.State = dataclasses.field(default_factory=lambda: nnx.State({}))
 
     @classmethod
     def zeros(
@@ -92,6 +97,8 @@ def write_new_requests(state: DeviceState, rows: Int[Array, "n row_words"], layo
         block_table=set_rows(state.block_table, fields["block_ids"]),
         sampling=state.sampling.write_rows(slots, fields, tokens, fields["prompt_len"][:, 0], prefill_len),
         draft_tokens=state.draft_tokens,
+        kv_scales=state.kv_scales,
+        draft_kv_scales=state.draft_kv_scales,
     )
 
 

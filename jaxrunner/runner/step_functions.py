@@ -20,6 +20,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxrunner.config import SamplerConfig
 from jaxrunner.models import CausalLM
+from jaxrunner.models.eagle import EagleHead
+from jaxrunner.models.transformer import KVScale
 from jaxrunner.ops import AttentionBackend
 from jaxrunner.runner.input_batch import SampleRows, StepShape, build_step_inputs, post_update
 from jaxrunner.runner.kv_cache import KVCaches
@@ -51,13 +53,20 @@ class StepStatics:
     num_spec: int
     sampler_config: SamplerConfig
 
-    def model(self, param_leaves: ParamLeaves) -> CausalLM:
-        """The model, rebuilt from its graph and the flat parameter leaves."""
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self.params_treedef, param_leaves))
+    def model(self, param_leaves: ParamLeaves, kv_scales: nnx.State | None = None) -> CausalLM:
+        """The model, rebuilt from its graph and the flat parameter leaves, with ``kv_scales`` (the
+        device state's) for the parameters' KV cache scales where given."""
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.params_treedef, param_leaves))
+        if kv_scales is not None:
+            nnx.update(model, kv_scales)
+        return model
 
-    def draft_params(self, draft_leaves: ParamLeaves) -> Any:
-        """The drafter's parameters, rebuilt from their flat leaves (None without a drafter)."""
-        return jax.tree.unflatten(self.draft_params_treedef, draft_leaves)
+    def draft_module(self, draft_leaves: ParamLeaves, kv_scales: nnx.State) -> CausalLM | EagleHead:
+        """The drafter's module, rebuilt from its graph and flat parameter leaves, with ``kv_scales``."""
+        assert self.drafter is not None
+        module = nnx.merge(self.drafter.graphdef, jax.tree.unflatten(self.draft_params_treedef, draft_leaves))
+        nnx.update(module, kv_scales)
+        return module
 
 
 def forward(
@@ -79,16 +88,18 @@ def forward(
     Float[Array, "num_tokens hidden_size"],
 ]:
     """The step's inputs from its buffer, the model (and the drafter's pass), and the hidden rows to sample."""
-    model = statics.model(param_leaves)
-    draft_params = statics.draft_params(draft_leaves)
+    model = statics.model(param_leaves, state.kv_scales)
     state, input_ids, positions, metadata, rows, row_index = build_step_inputs(
         state, step_buffer, shape, statics.block_size
     )
     hidden, kv_caches = model(input_ids, positions, kv_caches, metadata, statics.attention_backend)
+    state = dataclasses.replace(state, kv_scales=nnx.state(model, KVScale))
     if statics.drafter is not None:
+        drafter = statics.draft_module(draft_leaves, state.draft_kv_scales)
         draft_kv = statics.drafter.on_step(
-            draft_params, draft_kv, model, input_ids, positions, metadata, hidden, statics.attention_backend
+            drafter, draft_kv, model, input_ids, positions, metadata, hidden, statics.attention_backend
         )
+        state = dataclasses.replace(state, draft_kv_scales=nnx.state(drafter, KVScale))
     sample_hidden = hidden[row_index]  # [requests, 1 + drafts, hidden]
     pad = statics.max_num_reqs - shape.num_reqs
     sample_hidden = jnp.pad(sample_hidden, ((0, pad), (0, 0), (0, 0)))
@@ -114,8 +125,7 @@ def sample_step(
     ``plain``: the batch uses no sampling stage before the draw and asks for no
     logprobs (``sample``'s plain path; without drafts only).
     """
-    model = statics.model(param_leaves)
-    draft_params = statics.draft_params(draft_leaves)
+    model = statics.model(param_leaves, state.kv_scales)
     config = statics.sampler_config
     head = jax.tree.map(lambda a: a[:num_rows], rows)
     if statics.num_spec == 0:
@@ -168,7 +178,7 @@ def sample_step(
         features = jnp.take_along_axis(
             sample_hidden[:num_rows], jnp.maximum(num_sampled - 1, 0)[:, None, None], axis=1
         )[:, 0]
-        draft_kv, state = _propose_on_device(statics, model, draft_params, draft_kv, state, head, features)
+        draft_kv, state = _propose_on_device(statics, model, draft_leaves, draft_kv, state, head, features)
     return draft_kv, state, tokens, None
 
 
@@ -218,7 +228,7 @@ def decode_steps(
 def _propose_on_device(
     statics: StepStatics,
     model: CausalLM,
-    draft_params: Any,
+    draft_leaves: ParamLeaves,
     draft_kv: KVCaches,
     state: DeviceState,
     head: SampleRows,
@@ -228,8 +238,9 @@ def _propose_on_device(
     assert statics.drafter is not None
     idx = head.idx_mapping
     take = lambda a: a.at[idx].get(mode="fill", fill_value=0)
+    drafter = statics.draft_module(draft_leaves, state.draft_kv_scales)
     draft_kv, drafts = statics.drafter.propose(
-        draft_params,
+        drafter,
         draft_kv,
         model,
         state.block_table,
@@ -242,7 +253,11 @@ def _propose_on_device(
         statics.block_size,
         statics.attention_backend,
     )
-    return draft_kv, dataclasses.replace(state, draft_tokens=state.draft_tokens.at[idx].set(drafts, mode="drop"))
+    return draft_kv, dataclasses.replace(
+        state,
+        draft_tokens=state.draft_tokens.at[idx].set(drafts, mode="drop"),
+        draft_kv_scales=nnx.state(drafter, KVScale),
+    )
 
 
 def prompt_logprobs(

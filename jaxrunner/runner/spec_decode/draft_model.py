@@ -11,7 +11,6 @@ arrays, so the block table serves both.
 
 from __future__ import annotations
 
-from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrunner.models import CausalLM
@@ -35,7 +34,7 @@ class DraftModel(DeviceDrafter):
 
     def on_step(
         self,
-        params: nnx.State,
+        module: CausalLM,
         kv_caches: KVCaches,
         target: CausalLM,
         input_ids: Int[Array, " num_tokens"],
@@ -45,13 +44,12 @@ class DraftModel(DeviceDrafter):
         attention_backend: AttentionBackend,
     ) -> KVCaches:
         """The draft's KV for this step's tokens (its outputs are not needed)."""
-        model = nnx.merge(self.graphdef, params)
-        _, kv_caches = model(input_ids, positions, kv_caches, metadata, attention_backend)
+        _, kv_caches = module(input_ids, positions, kv_caches, metadata, attention_backend)
         return kv_caches
 
     def propose(
         self,
-        params: nnx.State,
+        module: CausalLM,
         kv_caches: KVCaches,
         target: CausalLM,
         block_table: Int[Array, "max_reqs max_blocks_per_req"],
@@ -70,11 +68,10 @@ class DraftModel(DeviceDrafter):
         target's hidden state there) is for heads that read it. Inactive rows
         write nothing and attend to nothing.
         """
-        model = nnx.merge(self.graphdef, params)
 
         def step(tokens, feats, metadata, pos, caches):
-            hidden, caches = model(tokens, pos, caches, metadata, attention_backend)
-            return model.compute_logits(hidden), hidden, caches
+            hidden, caches = module(tokens, pos, caches, metadata, attention_backend)
+            return module.compute_logits(hidden), hidden, caches
 
         return decode_drafts(
             step, kv_caches, block_table, slots, last_tokens, positions, features, active, num_drafts, block_size

@@ -3,14 +3,16 @@
 A drafter runs inside the compiled programs: in the forward program it fills
 its own KV cache from this step's tokens (``on_step``); in the sampling program,
 after verification, it proposes the next step's drafts (``propose``) and leaves
-them on the device.
+them on the device. The programs hand it its module, merged from its graph and
+parameters with the device state's KV cache scales, and read the scales back
+after the call (``calculate_kv_scales`` sets them at the first write).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 from flax import nnx
@@ -33,7 +35,7 @@ class Drafter(Protocol):
 
     def on_step(
         self,
-        params: nnx.State,
+        module: Any,  # the drafter's own: a DraftModel's CausalLM, an EagleDrafter's EagleHead
         kv_caches: KVCaches,
         target: CausalLM,
         input_ids: Int[Array, " num_tokens"],
@@ -47,7 +49,7 @@ class Drafter(Protocol):
 
     def propose(
         self,
-        params: nnx.State,
+        module: Any,  # the drafter's own: a DraftModel's CausalLM, an EagleDrafter's EagleHead
         kv_caches: KVCaches,
         target: CausalLM,
         block_table: Int[Array, "max_reqs max_blocks_per_req"],

@@ -11,7 +11,6 @@ back for ``k`` greedy drafts. It shares the target's embedding and lm_head.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrunner.models import CausalLM
@@ -36,7 +35,7 @@ class EagleDrafter(DeviceDrafter):
 
     def on_step(
         self,
-        params: nnx.State,
+        module: EagleHead,
         kv_caches: KVCaches,
         target: CausalLM,
         input_ids: Int[Array, " num_tokens"],
@@ -46,7 +45,6 @@ class EagleDrafter(DeviceDrafter):
         attention_backend: AttentionBackend,
     ) -> KVCaches:
         """The head's KV at every position whose next token is known this step."""
-        head = nnx.merge(self.graphdef, params)
         next_ids = jnp.concatenate([input_ids[1:], jnp.zeros(1, input_ids.dtype)])
         last = jnp.zeros(input_ids.shape[0], bool).at[metadata.query_start_loc[1:] - 1].set(True, mode="drop")
         skip_last = AttentionMetadata(
@@ -55,14 +53,14 @@ class EagleDrafter(DeviceDrafter):
             metadata.block_tables,
             jnp.where(last, -1, metadata.slot_mapping),
         )
-        _, kv_caches = head(
+        _, kv_caches = module(
             target.model.embed_tokens(next_ids), hidden, positions, kv_caches, skip_last, attention_backend
         )
         return kv_caches
 
     def propose(
         self,
-        params: nnx.State,
+        module: EagleHead,
         kv_caches: KVCaches,
         target: CausalLM,
         block_table: Int[Array, "max_reqs max_blocks_per_req"],
@@ -76,10 +74,10 @@ class EagleDrafter(DeviceDrafter):
         attention_backend: AttentionBackend,
     ) -> tuple[KVCaches, Int[Array, "num_rows num_spec"]]:
         """Greedy drafts from each row's last token (at ``positions``) and the feature before it."""
-        head = nnx.merge(self.graphdef, params)
 
         def step(tokens, feats, metadata, pos, caches):
-            predicted, caches = head(target.model.embed_tokens(tokens), feats, pos, caches, metadata, attention_backend)
+            embedded = target.model.embed_tokens(tokens)
+            predicted, caches = module(embedded, feats, pos, caches, metadata, attention_backend)
             return target.compute_logits(predicted), predicted, caches
 
         # The pair (feature at p, token at p + 1) sits at position p, as in on_step.
