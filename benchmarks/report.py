@@ -2,7 +2,8 @@
 
 ``results/latest/`` holds the newest recorded run of each measurement and
 ``sources.json``, which says for each file what it measures (``decode:BxC``,
-``attention``, ``prefill``, ``throughput``, ``host_share``, ...), where, when,
+``attention``, ``attention_fp8``, ``prefill``, ``throughput``, ``host_share``,
+``bound:bf16``, ``bound:fp8``, ...), where, when,
 on which commit and with which command. For each figure the table takes the
 last file in ``sources.json`` that measures it, and gives the figure as a
 ratio to the floor or peer measured in the same run. To record a new run, copy
@@ -29,9 +30,11 @@ BEGIN = "<!-- figures: `python -m benchmarks.report` writes this table from resu
 END = "<!-- end of figures -->"
 
 DECODE_CASES = [(batch, context) for context in (1024, 4096) for batch in (1, 16, 64, 256)]
-ATTENTION_DECODE_CASES = [(1, 1024), (16, 1024), (64, 1024), (64, 4096), (256, 4096)]
+ATTENTION_DECODE_CASES = [(1, 1024), (16, 1024), (64, 1024), (256, 1024), (64, 4096), (256, 4096)]
+ATTENTION_FP8_DECODE_CASES = [(64, 4096), (256, 1024)]
 ATTENTION_PREFILL_CASES = [(1, 8192), (8, 2048)]
 THROUGHPUT_WORKLOAD = "256x1000/1000"
+BOUND_WORKLOAD = "1000x1000/1000"
 
 
 def load_sources(latest: Path = LATEST) -> list[dict]:
@@ -76,6 +79,16 @@ def attention_decode_figure(source: dict, batch: int, context: int) -> tuple[str
     )
 
 
+def attention_fp8_decode_figure(source: dict, batch: int, context: int) -> tuple[str, str]:
+    """The kernel's KV read rate over an FP8 cache, counting FP8 bytes, over the copy rate."""
+    row = attention_case(source, "decode", batch, context)
+    return (
+        f"{row['ours_device_kv_bw_fraction']:.0%}",
+        f"{row['ours_device_s'] * 1e6:.1f} us a call (kernel alone {row['ours_kernel_kv_bw_fraction']:.0%}), "
+        f"{row['kv_bytes'] / 2**20:.0f} MiB of {row['cache_dtype']} KV",
+    )
+
+
 def attention_prefill_figure(source: dict, batch: int, context: int) -> tuple[str, str]:
     """The kernel's causal FLOP rate over the matmul rate, and against the dense FlashAttention-3."""
     row = attention_case(source, "prefill", batch, context)
@@ -101,6 +114,30 @@ def throughput_figure(source: dict) -> tuple[str, str]:
     return (
         f"{row['ours_over_peer']:.2f}x HF",
         f"{row['ours_tokens_per_s']:,.0f} output tok/s against HF transformers' {row['peer_tokens_per_s']:,.0f}",
+    )
+
+
+def bound_figure(source: dict) -> tuple[str, str]:
+    """A ``jaxrunner bench`` run's output rate over its bound (every step's weight and KV bytes at the copy rate)."""
+    data = source["data"]
+    return (
+        f"{data['bound_fraction']:.0%}",
+        f"{data['output_tokens_per_s']:,.0f} output tok/s, bound {data['bound_output_tokens_per_s']:,.0f}; "
+        f"{data['num_preemptions']} preemptions, {data['kv_cache_tokens']:,} cache tokens, "
+        f"at most {data['max_num_scheduled_reqs']} requests a step",
+    )
+
+
+def fp8_over_bf16_figure(source: dict, bf16: dict | None) -> tuple[str, str]:
+    """An FP8-cache bench run's output rate over the bf16 cache's on the same workload."""
+    data = source["data"]
+    if bf16 is None:
+        return "no bf16 run", f"{data['output_tokens_per_s']:,.0f} output tok/s"
+    return (
+        f"{data['output_tokens_per_s'] / bf16['data']['output_tokens_per_s']:.2f}x bf16",
+        f"{data['output_tokens_per_s']:,.0f} output tok/s ({data['bound_fraction']:.0%} of its bound); "
+        f"{data['num_preemptions']} preemptions, {data['kv_cache_tokens']:,} cache tokens, "
+        f"at most {data['max_num_scheduled_reqs']} requests a step",
     )
 
 
@@ -133,6 +170,14 @@ def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
                 lambda s, b=batch, c=context: attention_decode_figure(s, b, c),
             )
         )
+    for batch, context in ATTENTION_FP8_DECODE_CASES:
+        wanted.append(
+            (
+                f"attention kernel, decode {batch} x {size(context)} over an FP8 cache: KV read / copy rate",
+                "attention_fp8",
+                lambda s, b=batch, c=context: attention_fp8_decode_figure(s, b, c),
+            )
+        )
     for batch, context in ATTENTION_PREFILL_CASES:
         wanted.append(
             (
@@ -145,6 +190,12 @@ def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
         ("prefill, whole model (`jaxrunner bench`, output length 1): FLOP/s / matmul rate", "prefill", prefill_figure),
         (f"offline throughput {THROUGHPUT_WORKLOAD}: output tok/s / HF transformers'", "throughput", throughput_figure),
         ("host work / decode step, batch 64 (`jaxrunner bench` 64 x 1000/256)", "host_share", host_share_figure),
+        (f"offline throughput {BOUND_WORKLOAD}, bf16 cache: output tok/s / bound", "bound:bf16", bound_figure),
+        (
+            f"offline throughput {BOUND_WORKLOAD}, FP8 cache: output tok/s / bf16 cache's",
+            "bound:fp8",
+            lambda s: fp8_over_bf16_figure(s, newest(sources, "bound:bf16")),
+        ),
     ]
     rows = []
     for label, measure, figure in wanted:

@@ -94,7 +94,7 @@ class MemoryBudget:
     def __str__(self) -> str:
         gib = lambda size: f"{size / 2**30:.2f} GiB"
         cache = (
-            f"KV cache {self.num_blocks} blocks, {self.num_blocks * self.block_size} tokens, "
+            f"KV cache {self.num_blocks} blocks allocated, {self.num_blocks * self.block_size} tokens, "
             f"{gib(self.kv_cache_bytes)} a device"
         )
         total, weights, activations, margin = (
