@@ -111,20 +111,43 @@ def traced_timeline(runner: ModelRunner, batch: int, context: int, steps: int, r
     return summarize(device, steps * steps_per_round(runner) + 1, host=host)
 
 
-def measure_case(runner: ModelRunner, batch: int, context: int, args, rng, floors: dict, weight_bytes: int) -> dict:
-    """One batch x context: step times one round at a time and pipelined, against the bandwidth floor;
-    the kernel profile and device timeline when asked for."""
+def matmul_weights(runner: ModelRunner) -> tuple[int, int]:
+    """(bytes, parameters) of the weight matrices every step multiplies its rows by: all matrices but an
+    untied embedding table, of which a step reads only its tokens' rows."""
+    tied = runner.model_arch.tie_word_embeddings
+    leaves = jax.tree_util.tree_flatten_with_path(runner.params)[0]
+    matrices = [x for path, x in leaves if x.ndim >= 2 and (tied or "embed_tokens" not in jax.tree_util.keystr(path))]
+    return sum(x.size * x.dtype.itemsize for x in matrices), sum(x.size for x in matrices)
+
+
+def measure_case(
+    runner: ModelRunner, batch: int, context: int, args, rng, floors: dict, weight_bytes: int, matmul: tuple[int, int]
+) -> dict:
+    """One batch x context: step times one round at a time and pipelined, against the bandwidth floor and
+    the roofline floor; the kernel profile and device timeline when asked for.
+
+    The bandwidth floor is every weight's and KV byte at the copy rate. The roofline floor counts
+    the weight matrices at the slower of their bytes at the copy rate and their FLOPs (2 a row and
+    parameter) at the matmul rate: from about 200 rows (the device's FLOPs per byte) bf16 GEMMs are
+    compute-bound, a time no kernel removes.
+    """
     one_at_a_time = median_step(time_decode(runner, batch, context, args.steps, rng, False))
     step = median_step(time_decode(runner, batch, context, args.steps, rng, True))
     kv_bytes = batch * (context + 1) * runner.kv_cache_spec.bytes_per_block / runner.block_size
     # Each of the TP devices reads its share of the weights and KV at the copy rate.
-    floor = (weight_bytes + kv_bytes) / (floors["copy_bytes_per_s"] * args.tensor_parallel_size)
+    devices = args.tensor_parallel_size
+    floor = (weight_bytes + kv_bytes) / (floors["copy_bytes_per_s"] * devices)
+    matmul_bytes, matmul_params = matmul
+    gemms = max(matmul_bytes / floors["copy_bytes_per_s"], 2 * batch * matmul_params / floors["matmul_flops_per_s"])
+    roofline = (gemms + kv_bytes / floors["copy_bytes_per_s"]) / devices
     row = dict(
         batch=batch,
         context=context,
         step_ms=step * 1e3,
         floor_ms=floor * 1e3,
         ratio=step / floor,
+        roofline_floor_ms=roofline * 1e3,
+        roofline_ratio=step / roofline,
         tokens_per_s=batch / step,
         one_at_a_time_ms=one_at_a_time * 1e3,
         memory=device_memory(),
@@ -193,6 +216,7 @@ def main() -> None:
     )
     load_s = time.perf_counter() - start
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
+    matmul = matmul_weights(runner)
     compile_s = runner.capture_model()
     memory = {"after_precompile": device_memory(), "programs": runner.program_memory_bytes()}
     print(f"after precompile: {json.dumps(memory['after_precompile'])}", flush=True)
@@ -205,7 +229,7 @@ def main() -> None:
     for batch in args.batches:
         for context in args.contexts:
             try:
-                rows.append(measure_case(runner, batch, context, args, rng, floors, weight_bytes))
+                rows.append(measure_case(runner, batch, context, args, rng, floors, weight_bytes, matmul))
             except Exception as exc:  # out of memory, say: keep the other cases and what was in use
                 rows.append(dict(batch=batch, context=context, error=repr(exc)[:2000], memory=device_memory()))
                 print(f"batch {batch} x {context}: {rows[-1]['error'][:300]}", flush=True)
@@ -216,6 +240,7 @@ def main() -> None:
         tensor_parallel_size=args.tensor_parallel_size,
         compiler_options={batch: runner.compilation.compiler_options(batch) for batch in args.batches},
         weight_gb=weight_bytes / 1e9,
+        matmul_weight_gb=matmul[0] / 1e9,
         load_s=load_s,
         precompile_s=compile_s,
         programs=runner.num_compiled_programs,
@@ -233,14 +258,16 @@ def main() -> None:
         f"(one device); tensor parallel size {args.tensor_parallel_size}"
     )
     print(
-        f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'ratio':>6} {'tok/s':>8} {'1-at-a-time ms':>14}"
+        f"{'batch':>5} {'context':>7} {'step ms':>8} {'floor ms':>8} {'ratio':>6} {'roofline ms':>11} "
+        f"{'ratio':>6} {'tok/s':>8} {'1-at-a-time ms':>14}"
     )
     for r in rows:
         if "error" in r:
             continue
         print(
-            f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} "
-            f"{r['ratio']:>6.2f} {r['tokens_per_s']:>8.0f} {r['one_at_a_time_ms']:>14.2f}"
+            f"{r['batch']:>5} {r['context']:>7} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} {r['ratio']:>6.2f} "
+            f"{r['roofline_floor_ms']:>11.2f} {r['roofline_ratio']:>6.2f} {r['tokens_per_s']:>8.0f} "
+            f"{r['one_at_a_time_ms']:>14.2f}"
         )
     for r in rows:
         if "profile" in r:

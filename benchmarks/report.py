@@ -61,7 +61,8 @@ def decode_figure(source: dict, batch: int, context: int) -> tuple[str, str]:
     else:
         row = next(r for r in data["rows"] if (r["batch"], r["context"]) == (batch, context) and "error" not in r)
         ratio = row["ratio"]
-    return f"{ratio:.2f}x", f"{row['step_ms']:.2f} ms a step, floor {row['floor_ms']:.2f} ms"
+    roofline = f" (roofline {row['roofline_floor_ms']:.2f} ms)" if "roofline_floor_ms" in row else ""
+    return f"{ratio:.2f}x", f"{row['step_ms']:.2f} ms a step, floor {row['floor_ms']:.2f} ms{roofline}"
 
 
 def attention_case(source: dict, kind: str, batch: int, context: int) -> dict:
