@@ -209,8 +209,8 @@ def _bench(args: argparse.Namespace) -> None:
         f"{result['output_tokens_per_s']:.1f} output tok/s, {result['total_tokens_per_s']:.1f} total tok/s"
     )
     print(
-        f"KV cache: {result['kv_cache_blocks']} blocks for requests (block 0 pads), {result['kv_cache_tokens']} tokens; "
-        f"at most {result['max_num_scheduled_reqs']} requests in one step"
+        f"KV cache: {result['kv_cache_blocks']} blocks for requests (block 0 pads), "
+        f"{result['kv_cache_tokens']} tokens; at most {result['max_num_scheduled_reqs']} requests in one step"
     )
     print(f"memory: {budget}")
     print(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import math
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,10 @@ from jaxtyping import Float, Int
 
 # Below this temperature vLLM samples greedily and turns top-p/top-k/min-p off.
 GREEDY_TEMPERATURE = 1e-5
+
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_OPTIONAL_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclasses.dataclass
@@ -50,6 +55,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
+        self._check_number_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -57,6 +63,35 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+
+    def _check_number_types(self) -> None:
+        """Integer fields take integers only (``n=2.0`` is refused, not truncated), float fields finite
+        real numbers; NumPy scalars become Python numbers. Each error names the field."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_FIELDS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"SamplingParams.{name} must be an integer; got {value!r}.")
+            setattr(self, name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise ValueError(f"SamplingParams.{name} must be a real number; got {value!r}.")
+            if not math.isfinite(value):
+                raise ValueError(f"SamplingParams.{name} must be finite; got {value!r}.")
+            setattr(self, name, float(value))
+        if self.logit_bias is not None:
+            bias = {}
+            for token, value in dict(self.logit_bias).items():
+                if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
+                    raise ValueError(f"SamplingParams.logit_bias keys must be token ids; got {token!r}.")
+                if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                    raise ValueError(f"SamplingParams.logit_bias[{token}] must be a real number; got {value!r}.")
+                if not math.isfinite(value):
+                    raise ValueError(f"SamplingParams.logit_bias[{token}] must be finite; got {value!r}.")
+                bias[int(token)] = float(value)
+            self.logit_bias = bias
 
     @property
     def greedy(self) -> bool:
@@ -105,10 +140,6 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {why}; got {getattr(self, name)!r}.")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
-            value = getattr(self, name)
-            if not np.isfinite(value):
-                raise ValueError(f"SamplingParams.{name} must be finite; got {value!r}.")
 
 
 @dataclasses.dataclass

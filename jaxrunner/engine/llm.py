@@ -213,12 +213,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: object | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in prompt order.
 
         A prompt the engine refuses (empty, too long, bad parameters) gets a
         finished output whose ``error`` says why; the others still run.
+        ``lora_request`` (vLLM's) is refused: LoRA adapters are not supported yet.
         """
+        _refuse_lora(lora_request)
         ids, finished = self._add(prompts, sampling_params)
         pending = len(ids) - len(finished)
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, initial=len(finished)) as bar:
@@ -234,8 +237,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: object | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield outputs as tokens arrive; each carries only the new text and token ids."""
+        _refuse_lora(lora_request)
         ids, refused = self._add(prompts, sampling_params)
         yield from refused.values()
         pending = len(ids) - len(refused)
@@ -249,9 +254,11 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: object | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, rendered by the tokenizer's chat template."""
+        _refuse_lora(lora_request)
         # One conversation (a list of messages) or several; a dict first element does not narrow the type.
         if messages and isinstance(messages[0], dict):
             conversations = [cast(list[dict[str, str]], messages)]
@@ -266,3 +273,11 @@ class LLM:
             list(p["input_ids"]) if isinstance(p, Mapping) else cast(list[int], list(p)) for p in encoded
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _refuse_lora(lora_request: object | None) -> None:
+    """vLLM's ``lora_request`` argument, refused until LoRA adapters are supported."""
+    if lora_request is not None:
+        raise NotImplementedError(
+            f"lora_request={lora_request!r}: LoRA adapters are not supported yet; call without lora_request."
+        )

@@ -70,6 +70,7 @@ from jaxrunner.runner.spec_decode.eagle import EagleDrafter
 from jaxrunner.runner.states import DeviceState, RequestFeatureState, RequestState
 from jaxrunner.runner.step_functions import StepStatics
 from jaxrunner.runner.structured_outputs import GrammarBitmask, uses_grammar
+from jaxrunner.runner.unsupported import refuse_unsupported
 from jaxrunner.sample.logprobs import LogprobsTensors
 from jaxrunner.sample.sampling_state import check_logprobs_count, pack_sampling_params, uses_sampling_stages
 from jaxrunner.sharding import kv_cache_sharding, make_mesh, min_over_processes, replicated, tensor_parallel_size
@@ -363,6 +364,7 @@ class ModelRunner:
         with self.spans("execute_model"):
             if self.kv_caches is None:
                 raise RuntimeError("initialize_kv_cache() must run before execute_model().")
+            refuse_unsupported(scheduler_output)
             self.finish_requests(scheduler_output)
             self.add_requests(scheduler_output)
             self.update_requests(scheduler_output)

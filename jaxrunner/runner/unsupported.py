@@ -1,0 +1,42 @@
+"""What a ``SchedulerOutput`` may ask of the runner that it cannot do yet, refused before any state changes.
+
+vLLM's runner takes LoRA adapters, multimodal inputs and several KV-cache groups
+through the same ``SchedulerOutput``; until this runner builds them, a request
+carrying one fails with a message naming what is missing, instead of running as
+if the field were absent.
+"""
+
+from __future__ import annotations
+
+from jaxrunner.interfaces import SchedulerOutput
+
+
+def refuse_unsupported(scheduler_output: SchedulerOutput) -> None:
+    """Raise ``NotImplementedError`` naming the first request that needs a feature the runner lacks."""
+    for new_req in scheduler_output.scheduled_new_reqs:
+        if new_req.lora_request is not None:
+            raise NotImplementedError(
+                f"Request {new_req.req_id!r} has a lora_request: LoRA adapters are not supported yet. "
+                "Send it without lora_request."
+            )
+        if new_req.mm_features:
+            raise NotImplementedError(
+                f"Request {new_req.req_id!r} has multimodal inputs (mm_features): the multimodal encoder "
+                "is not supported yet. Send text or token ids only."
+            )
+        if len(new_req.block_ids) > 1:
+            raise NotImplementedError(
+                f"Request {new_req.req_id!r} has block ids for {len(new_req.block_ids)} KV-cache groups: "
+                "only one KV-cache group is supported yet."
+            )
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
+        if new_block_ids is not None and len(new_block_ids) > 1:
+            raise NotImplementedError(
+                f"Request {req_id!r} has new block ids for {len(new_block_ids)} KV-cache groups: "
+                "only one KV-cache group is supported yet."
+            )
+    if scheduler_output.scheduled_encoder_inputs:
+        raise NotImplementedError(
+            "The step schedules encoder inputs (scheduled_encoder_inputs): the multimodal encoder is not supported yet."
+        )

@@ -1,0 +1,86 @@
+"""Input the runner or engine cannot honour is refused with an error naming the field, before any state changes."""
+
+import math
+
+import numpy as np
+import pytest
+from runner_driver import make_runner
+
+from jaxrunner import LLM, SamplingParams
+from jaxrunner.interfaces import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxrunner.models import init_random_model
+from jaxrunner.models.builtin import BUILTIN_MODELS
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("top_k", 1.5, "must be an integer"),
+        ("max_tokens", 2.5, "must be an integer"),
+        ("n", 2.0, "must be an integer"),
+        ("seed", 1.5, "must be an integer"),
+        ("logprobs", True, "must be an integer"),
+        ("temperature", math.nan, "must be finite"),
+        ("top_p", math.inf, "must be finite"),
+        ("presence_penalty", math.nan, "must be finite"),
+        ("frequency_penalty", -math.inf, "must be finite"),
+        ("repetition_penalty", "1.2", "must be a real number"),
+    ],
+)
+def test_sampling_params_refuse_wrong_number_types(field, value, why):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} {why}"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("bias, why", [({5: math.nan}, r"logit_bias\[5\] must be finite"), ({5: math.inf}, "finite")])
+def test_logit_bias_refuses_non_finite_values(bias, why):
+    with pytest.raises(ValueError, match=why):
+        SamplingParams(logit_bias=bias)
+    with pytest.raises(ValueError, match="logit_bias keys must be token ids"):
+        SamplingParams(logit_bias={1.5: 1.0})
+
+
+def test_numpy_integers_are_taken_as_python_numbers():
+    params = SamplingParams(
+        n=np.int64(2), max_tokens=np.int32(7), temperature=np.float32(0.5), logit_bias={np.int64(3): 1}
+    )
+    assert (params.n, params.max_tokens, params.logit_bias) == (2, 7, {3: 1.0})
+    assert type(params.n) is int and type(params.temperature) is float
+
+
+def _new(req_id: str, **fields) -> NewRequestData:
+    block_ids = fields.pop("block_ids", ([1],))
+    return NewRequestData(req_id, [1, 2, 3], SamplingParams(temperature=0.0), block_ids, 0, **fields)
+
+
+def _step(*new_reqs: NewRequestData) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=list(new_reqs),
+        scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={r.req_id: 3 for r in new_reqs},
+        total_num_scheduled_tokens=3 * len(new_reqs),
+    )
+
+
+@pytest.mark.parametrize(
+    "fields, missing",
+    [
+        ({"lora_request": object()}, "LoRA adapters are not supported yet"),
+        ({"mm_features": [object()]}, "multimodal encoder is not supported yet"),
+        ({"block_ids": ([1], [2])}, "2 KV-cache groups"),
+    ],
+)
+def test_runner_refuses_what_it_cannot_do_yet_and_keeps_its_state(fields, missing):
+    runner = make_runner(init_random_model(BUILTIN_MODELS["tiny-llama"], dtype="float32"), num_blocks=16)
+    with pytest.raises(NotImplementedError, match=missing):
+        runner.execute_model(_step(_new("plain"), _new("unsupported", **fields)))
+    assert runner.req_states.req_id_to_index == {}  # neither request was added
+    assert runner.execute_model(_step(_new("plain"))) is None  # the next step runs
+    assert runner.sample_tokens().req_ids == ["plain"]
+
+
+def test_llm_refuses_a_lora_request_before_adding_any_prompt():
+    llm = LLM("tiny-llama", max_model_len=64, max_num_seqs=2)
+    with pytest.raises(NotImplementedError, match="LoRA adapters are not supported yet"):
+        llm.generate(["a", "b"], lora_request=object(), use_tqdm=False)
+    assert not llm.replicas.has_unfinished_requests()
