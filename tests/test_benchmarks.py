@@ -252,8 +252,12 @@ def test_readme_table_is_the_one_latest_results_give():
 def test_table_has_every_figure_from_a_recorded_run():
     rows = report.figures(report.load_sources())
     measured = {label for label, ratio, _, source in rows if source is not None}
-    assert (
-        len(rows)
-        == len(report.DECODE_CASES) + len(report.ATTENTION_DECODE_CASES) + len(report.ATTENTION_PREFILL_CASES) + 3
-    )
-    assert measured == {label for label, *_ in rows} - {"decode step / bandwidth floor, batch 256 x 4k"}
+    cases = report.DECODE_CASES + report.ATTENTION_DECODE_CASES + report.ATTENTION_FP8_DECODE_CASES
+    assert len(rows) == len(cases) + len(report.ATTENTION_PREFILL_CASES) + 5  # + prefill, 3 benches, host share
+    # 256 x 4k fits no GPU in bf16; the 1000x1000/1000 runs have not completed on a GPU yet.
+    unmeasured = {
+        "decode step / bandwidth floor, batch 256 x 4k",
+        f"offline throughput {report.BOUND_WORKLOAD}, bf16 cache: output tok/s / bound",
+        f"offline throughput {report.BOUND_WORKLOAD}, FP8 cache: output tok/s / bf16 cache's",
+    }
+    assert measured == {label for label, *_ in rows} - unmeasured
