@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     JAXRUNNER_ATTENTION_IMPL: str | None = None
+    JAXRUNNER_ALLOW_LONG_MAX_MODEL_LEN: bool = False
     XDG_CACHE_HOME: str = ""
 
 ATTENTION_IMPL_ENV_VAR = "JAXRUNNER_ATTENTION_IMPL"
+ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR = "JAXRUNNER_ALLOW_LONG_MAX_MODEL_LEN"
 ASYNC_DISPATCH_ENV_VAR = "PJRT_GPU_ENABLE_ASYNC_DISPATCH"
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
 # JAX's names for the fraction of each GPU its memory pool holds: the current one, then the deprecated
@@ -31,6 +33,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Forces the attention and KV-write implementation, "reference" or "mosaic_gpu", for every
     # runner and every call of the ops that names none; unset, each picks the best for its devices.
     ATTENTION_IMPL_ENV_VAR: lambda: os.environ.get(ATTENTION_IMPL_ENV_VAR) or None,
+    # "1" lets max_model_len exceed the model's positions (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): outputs past
+    # the positions the model was trained on may be wrong.
+    ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR: lambda: os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR, "0") == "1",
     # The user's cache root; the persistent compilation cache defaults to $XDG_CACHE_HOME/jaxrunner/xla.
     "XDG_CACHE_HOME": lambda: os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
 }

@@ -84,3 +84,20 @@ def test_llm_refuses_a_lora_request_before_adding_any_prompt():
     with pytest.raises(NotImplementedError, match="LoRA adapters are not supported yet"):
         llm.generate(["a", "b"], lora_request=object(), use_tqdm=False)
     assert not llm.replicas.has_unfinished_requests()
+
+
+def test_max_model_len_beyond_the_models_positions_needs_the_users_word(monkeypatch):
+    from jaxrunner.envs import ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR
+
+    positions = BUILTIN_MODELS["tiny-llama"].max_position_embeddings
+    with pytest.raises(ValueError, match=rf"max_model_len {positions + 1} is more than the model's {positions}"):
+        LLM("tiny-llama", max_model_len=positions + 1, max_num_seqs=2)
+    monkeypatch.setenv(ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR, "1")
+    assert LLM("tiny-llama", max_model_len=positions + 1, max_num_seqs=2).llm_engine.max_model_len == positions + 1
+
+
+@pytest.mark.parametrize("limit", ["max_num_seqs", "max_num_batched_tokens"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_zero_or_negative_limits_are_refused_not_replaced(limit, value):
+    with pytest.raises(ValueError, match=rf"SchedulerConfig\.{limit} must be positive; got {value}"):
+        LLM("tiny-llama", max_model_len=64, **{limit: value})

@@ -113,8 +113,17 @@ class LLM:
     ):
         on_cpu = jax.default_backend() == "cpu"
         limits = _CPU_LIMITS if on_cpu else _GPU_LIMITS
-        max_num_seqs = max_num_seqs or limits["max_num_seqs"]
-        max_num_batched_tokens = max_num_batched_tokens or limits["max_num_batched_tokens"]
+        # None takes the device's default; 0 or less is refused (by SchedulerConfig, first), not replaced.
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=limits["max_num_seqs"] if max_num_seqs is None else max_num_seqs,
+            max_num_batched_tokens=(
+                limits["max_num_batched_tokens"] if max_num_batched_tokens is None else max_num_batched_tokens
+            ),
+            enable_chunked_prefill=enable_chunked_prefill,
+            async_scheduling=async_scheduling,
+            num_scheduler_steps=num_scheduler_steps,
+        )
+        max_num_seqs, max_num_batched_tokens = scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens
         if on_cpu:
             token_buckets = token_buckets or _power_of_two_ladder(max_num_batched_tokens)
             request_buckets = request_buckets or _power_of_two_ladder(max_num_seqs)
@@ -141,13 +150,7 @@ class LLM:
                 calculate_kv_scales=calculate_kv_scales,
                 enable_prefix_caching=enable_prefix_caching,
             ),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill,
-                async_scheduling=async_scheduling,
-                num_scheduler_steps=num_scheduler_steps,
-            ),
+            scheduler_config=scheduler_config,
             compilation_config=compilation,
             sampler_config=SamplerConfig(max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),
             parallel_config=parallel,

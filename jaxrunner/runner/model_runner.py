@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxrunner import envs
 from jaxrunner.config import CACHE_DTYPES, ParallelConfig, RunnerConfig
 from jaxrunner.interfaces import (
     AsyncModelRunnerOutput,
@@ -158,7 +159,7 @@ class ModelRunner:
             self.model = model
             self.model_arch: TransformerConfig = model.config
             self.vocab_size = self.model_arch.vocab_size
-            self.max_model_len = self.model_config.max_model_len or self.model_arch.max_position_embeddings
+            self.max_model_len = self._max_model_len(self.model_arch.max_position_embeddings)
             self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
             graphdef, params = nnx.split(self._with_kv_scale_mode(self._built_for_mesh(model)))
             self.params = self._place(params)
@@ -291,6 +292,18 @@ class ModelRunner:
             method = None if spec is None else spec.method
             raise ValueError(f"SpeculativeConfig.model must name the draft model for method {method!r}.")
         return spec.model
+
+    def _max_model_len(self, max_positions: int) -> int:
+        """``ModelConfig.max_model_len``, or the model's positions; beyond them only when the user allows it
+        (``$JAXRUNNER_ALLOW_LONG_MAX_MODEL_LEN=1``, as vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)."""
+        max_model_len = self.model_config.max_model_len or max_positions
+        if max_model_len > max_positions and not envs.JAXRUNNER_ALLOW_LONG_MAX_MODEL_LEN:
+            raise ValueError(
+                f"max_model_len {max_model_len} is more than the model's {max_positions} positions "
+                f"(max_position_embeddings): lower max_model_len, or set {envs.ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR}=1 "
+                "to allow it (outputs past the model's positions may be wrong)."
+            )
+        return max_model_len
 
     def _load_named(self, name: str) -> CausalLM:
         """A checkpoint directory's model, or a built-in's with random weights from the engine's seed."""
