@@ -1,13 +1,14 @@
 """Input the runner or engine cannot honour is refused with an error naming the field, before any state changes."""
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
 from runner_driver import make_runner
 
 from jaxrunner import LLM, SamplingParams
-from jaxrunner.interfaces import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxrunner.interfaces import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from jaxrunner.models import init_random_model
 from jaxrunner.models.builtin import BUILTIN_MODELS
 
@@ -29,21 +30,24 @@ from jaxrunner.models.builtin import BUILTIN_MODELS
 )
 def test_sampling_params_refuse_wrong_number_types(field, value, why):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} {why}"):
-        SamplingParams(**{field: value})
+        _params(**{field: value})
+
+
+def _params(**fields: Any) -> SamplingParams:
+    """SamplingParams from fields of any type: the values a user may pass, not the ones annotated."""
+    return SamplingParams(**fields)
 
 
 @pytest.mark.parametrize("bias, why", [({5: math.nan}, r"logit_bias\[5\] must be finite"), ({5: math.inf}, "finite")])
 def test_logit_bias_refuses_non_finite_values(bias, why):
     with pytest.raises(ValueError, match=why):
-        SamplingParams(logit_bias=bias)
+        _params(logit_bias=bias)
     with pytest.raises(ValueError, match="logit_bias keys must be token ids"):
-        SamplingParams(logit_bias={1.5: 1.0})
+        _params(logit_bias={1.5: 1.0})
 
 
 def test_numpy_integers_are_taken_as_python_numbers():
-    params = SamplingParams(
-        n=np.int64(2), max_tokens=np.int32(7), temperature=np.float32(0.5), logit_bias={np.int64(3): 1}
-    )
+    params = _params(n=np.int64(2), max_tokens=np.int32(7), temperature=np.float32(0.5), logit_bias={np.int64(3): 1})
     assert (params.n, params.max_tokens, params.logit_bias) == (2, 7, {3: 1.0})
     assert type(params.n) is int and type(params.temperature) is float
 
@@ -76,7 +80,8 @@ def test_runner_refuses_what_it_cannot_do_yet_and_keeps_its_state(fields, missin
         runner.execute_model(_step(_new("plain"), _new("unsupported", **fields)))
     assert runner.req_states.req_id_to_index == {}  # neither request was added
     assert runner.execute_model(_step(_new("plain"))) is None  # the next step runs
-    assert runner.sample_tokens().req_ids == ["plain"]
+    output = runner.sample_tokens()
+    assert isinstance(output, ModelRunnerOutput) and output.req_ids == ["plain"]
 
 
 def test_llm_refuses_a_lora_request_before_adding_any_prompt():
