@@ -42,3 +42,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A persistent compilation cache shared by one test module's engines and runners."""
+    return str(tmp_path_factory.mktemp("xla_cache"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 from jax.sharding import Mesh
 
@@ -20,6 +21,7 @@ from jaxrunner.config import (
     RunnerConfig,
     SchedulerConfig,
 )
+from jaxrunner.engine.llm import LLM
 from jaxrunner.interfaces import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -74,6 +76,19 @@ def make_runner(
     runner.load_model(model)
     runner.initialize_kv_cache()
     return runner
+
+
+def tiny_llm(cache_dir: str, **overrides: Any) -> LLM:
+    """The built-in tiny model's engine at the small limits and buckets the engine tests share, ``overrides`` on top."""
+    limits: dict[str, Any] = dict(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=200,
+        token_buckets=[8, 16, 32, 64],
+        request_buckets=[2, 4],
+        compilation_cache_dir=cache_dir,
+    )
+    return LLM("tiny-llama", **(limits | overrides))
 
 
 @dataclasses.dataclass

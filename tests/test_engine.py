@@ -20,11 +20,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LADDERS = dict(token_buckets=[8, 32, 64], request_buckets=[2, 8])
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("xla_cache"))
-
-
 @pytest.fixture
 def make_llm(cache_dir):
     """LLMs on the built-in tiny model; after the test every KV block must be free again."""

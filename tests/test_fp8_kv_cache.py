@@ -9,7 +9,6 @@ scales computed once); checkpoint scales under vLLM's names.
 import dataclasses
 import functools
 import random
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ import pytest
 from flax import nnx
 from hf_models import save_tiny_hf_model
 from packed_batch import packed_metadata
-from runner_driver import HandScheduler, make_runner
+from runner_driver import HandScheduler, make_runner, tiny_llm
 from test_attention_reference import ODD, Case, _check, _dense_oracle, _make_inputs
 
 from jaxrunner.config import CACHE_DTYPES, CacheConfig
@@ -312,23 +311,6 @@ def test_runner_computes_scales_once_and_compiles_nothing_after_warm_up(tmp_path
     assert _kv_scales(runner) == scales_after_first_step  # computed once, then fixed
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("xla_cache"))
-
-
-def _llm(cache_dir: str, **overrides: Any) -> LLM:
-    kwargs: dict[str, Any] = dict(
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        num_gpu_blocks_override=200,
-        token_buckets=[8, 16, 32, 64],
-        request_buckets=[2, 4],
-        compilation_cache_dir=cache_dir,
-    )
-    return LLM("tiny-llama", **(kwargs | overrides))
-
-
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
@@ -340,8 +322,8 @@ def test_engine_greedy_tokens_with_computed_scales(cache_dir):
     """Free-running greedy tokens against the float32 cache's (one flip makes the rest differ: reported),
     their first tokens (from the prefill) asserted; the scales, computed by the first step, stay for good
     (a second batch hits the prefix cache, whose blocks were written with them)."""
-    want = _greedy(_llm(cache_dir), PROMPTS)
-    llm = _llm(cache_dir, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    want = _greedy(tiny_llm(cache_dir), PROMPTS)
+    llm = tiny_llm(cache_dir, kv_cache_dtype="fp8", calculate_kv_scales=True)
     compiled = CompileCounter.count()
     got = _greedy(llm, PROMPTS)
     assert CompileCounter.count() == compiled
@@ -358,9 +340,9 @@ def test_engine_greedy_tokens_with_computed_scales(cache_dir):
 
 def test_prefix_caching_chunking_and_preemption_change_no_fp8_output(cache_dir):
     """Unit scales (the loaded ones): the FP8 cache's outputs do not depend on how the steps were cut."""
-    baseline = _greedy(_llm(cache_dir, kv_cache_dtype="fp8", enable_prefix_caching=False), PROMPTS)
-    assert _greedy(_llm(cache_dir, kv_cache_dtype="fp8"), PROMPTS + PROMPTS[:2])[: len(PROMPTS)] == baseline
-    tight = _llm(cache_dir, kv_cache_dtype="fp8", num_gpu_blocks_override=14, enable_prefix_caching=False)
+    baseline = _greedy(tiny_llm(cache_dir, kv_cache_dtype="fp8", enable_prefix_caching=False), PROMPTS)
+    assert _greedy(tiny_llm(cache_dir, kv_cache_dtype="fp8"), PROMPTS + PROMPTS[:2])[: len(PROMPTS)] == baseline
+    tight = tiny_llm(cache_dir, kv_cache_dtype="fp8", num_gpu_blocks_override=14, enable_prefix_caching=False)
     assert _greedy(tight, PROMPTS) == baseline
     assert tight.llm_engine.scheduler.num_preemptions > 0
 
@@ -371,12 +353,12 @@ def test_speculative_decoding_over_fp8_caches_equals_no_speculation(method, cach
     from test_spec_decode import save_tiny_eagle_head
 
     fp8 = dict(kv_cache_dtype="fp8", calculate_kv_scales=True)
-    plain = _greedy(_llm(cache_dir, **fp8), PROMPTS)
+    plain = _greedy(tiny_llm(cache_dir, **fp8), PROMPTS)
     if method == "eagle":
         save_tiny_eagle_head(tmp_path)
     draft = "tiny-llama" if method == "draft_model" else str(tmp_path)
     spec = {"method": method, "num_speculative_tokens": 3, "model": draft}
-    llm = _llm(cache_dir, speculative_config=spec, **fp8)
+    llm = tiny_llm(cache_dir, speculative_config=spec, **fp8)
     compiled = CompileCounter.count()
     assert _greedy(llm, PROMPTS) == plain
     assert CompileCounter.count() == compiled
@@ -393,8 +375,8 @@ def test_tensor_parallel_fp8_follows_one_device(cache_dir):
     boundary now and then, which a random tiny model's narrow logit margins turn into another token.
     """
     fp8 = dict(kv_cache_dtype="fp8", calculate_kv_scales=True)
-    one = _llm(cache_dir, **fp8)
-    two = _llm(cache_dir, tensor_parallel_size=2, **fp8)
+    one = tiny_llm(cache_dir, **fp8)
+    two = tiny_llm(cache_dir, tensor_parallel_size=2, **fp8)
     got, want = _greedy(two, PROMPTS), _greedy(one, PROMPTS)
     agreement = np.mean([a == b for x, y in zip(got, want) for a, b in zip(x, y)])
     print(f"fp8 cache, TP=2 against one device: greedy agreement {agreement:.3f}")

@@ -26,11 +26,6 @@ class _Ladders(TypedDict):
 SMALL_LADDERS = _Ladders(token_buckets=[8, 16, 32], request_buckets=[1, 2, 4])
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("xla_cache"))
-
-
 def hf_greedy(path, prompt: list[int], num_tokens: int) -> list[int]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()

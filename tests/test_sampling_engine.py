@@ -25,11 +25,6 @@ from jaxrunner.sample.sampling_state import SamplingArrays, pack_sampling_params
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("xla_cache"))
-
-
-@pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
     tokenizer = build_byte_tokenizer()

@@ -1,11 +1,10 @@
 """Speculative decoding through the engine: greedy equivalence, acceptance, no recompiles."""
 
 import numpy as np
-import pytest
 import transformers
 from hf_models import save_tiny_hf_model
+from runner_driver import tiny_llm
 
-from jaxrunner.engine.llm import LLM
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.models import TransformerConfig
 from jaxrunner.runner.compilation import CompileCounter
@@ -13,22 +12,8 @@ from jaxrunner.runner.compilation import CompileCounter
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("xla_cache"))
-
-
 def make_llm(cache_dir, spec: bool):
-    return LLM(
-        "tiny-llama",
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        num_gpu_blocks_override=200,
-        token_buckets=[8, 16, 32, 64],
-        request_buckets=[2, 4],
-        compilation_cache_dir=cache_dir,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None,
-    )
+    return tiny_llm(cache_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3} if spec else None)
 
 
 def prompts():
@@ -73,14 +58,8 @@ def test_draft_model_greedy_equals_no_speculation(cache_dir, tmp_path):
     # The built-in draft has the target's own weights (perfect drafts); the saved one is another model.
     save_tiny_hf_model("llama", tmp_path, seed=2, vocab_size=320, num_hidden_layers=1)
     for draft, perfect in (("tiny-llama", True), (str(tmp_path), False)):
-        llm = LLM(
-            "tiny-llama",
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            num_gpu_blocks_override=200,
-            token_buckets=[8, 16, 32, 64],
-            request_buckets=[2, 4],
-            compilation_cache_dir=cache_dir,
+        llm = tiny_llm(
+            cache_dir,
             speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": draft},
         )
         compiled = CompileCounter.count()
@@ -126,14 +105,8 @@ def test_eagle_head_greedy_equals_no_speculation(cache_dir, tmp_path):
     batch = prompts()
     plain = [o.outputs[0].token_ids for o in make_llm(cache_dir, spec=False).generate(batch, GREEDY, use_tqdm=False)]
     save_tiny_eagle_head(tmp_path)
-    llm = LLM(
-        "tiny-llama",
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        num_gpu_blocks_override=200,
-        token_buckets=[8, 16, 32, 64],
-        request_buckets=[2, 4],
-        compilation_cache_dir=cache_dir,
+    llm = tiny_llm(
+        cache_dir,
         speculative_config={"method": "eagle", "num_speculative_tokens": 3, "model": str(tmp_path)},
     )
     compiled = CompileCounter.count()
