@@ -166,6 +166,12 @@ def make_case(
     return q, k_cache, v_cache, metadata
 
 
+def widened_reference(heads: Heads):
+    """The jitted pure-JAX reference, reading the cache's values widened to q's dtype (exact for FP8)."""
+    reference = functools.partial(ragged_paged_attention_reference, sm_scale=heads.sm_scale)
+    return jax.jit(lambda q, k, v, metadata: reference(q, k.astype(q.dtype), v.astype(q.dtype), metadata))
+
+
 def max_rel_error(got, expected) -> float:
     """Largest absolute difference relative to the largest reference output."""
     got, expected = got.astype(jnp.float32), expected.astype(jnp.float32)
@@ -297,9 +303,7 @@ def run_case(
             ragged_paged_attention_mgpu, sm_scale=heads.sm_scale, interpret=AttentionBackend.default().interpreter()
         )
     )
-    # The reference reads the cache's values widened to q's dtype (exact for FP8).
-    reference = functools.partial(ragged_paged_attention_reference, sm_scale=heads.sm_scale)
-    ref = jax.jit(lambda q, k, v, metadata: reference(q, k.astype(q.dtype), v.astype(q.dtype), metadata))
+    ref = widened_reference(heads)
     row = {
         "kind": kind,
         "batch": batch,
@@ -383,8 +387,7 @@ def sweep_case(
     the fastest correct config wins."""
     q_lens, seq_lens = lengths(kind, batch, context)
     q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, heads, block_size, cache_dtype=cache_dtype)
-    ref = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=heads.sm_scale))
-    expected = ref(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), metadata)
+    expected = widened_reference(heads)(q, k_cache, v_cache, metadata)
     base = config_for(q, k_cache, metadata)
     row = {
         "kind": kind,

@@ -124,8 +124,15 @@ def bound_figure(source: dict) -> tuple[str, str]:
     return (
         f"{data['bound_fraction']:.0%}",
         f"{data['output_tokens_per_s']:,.0f} output tok/s, bound {data['bound_output_tokens_per_s']:,.0f}; "
+        + scheduling(data),
+    )
+
+
+def scheduling(data: dict) -> str:
+    """A bench run's preemptions, cache size and largest batch."""
+    return (
         f"{data['num_preemptions']} preemptions, {data['kv_cache_tokens']:,} cache tokens, "
-        f"at most {data['max_num_scheduled_reqs']} requests a step",
+        f"at most {data['max_num_scheduled_reqs']} requests a step"
     )
 
 
@@ -137,8 +144,7 @@ def fp8_over_bf16_figure(source: dict, bf16: dict | None) -> tuple[str, str]:
     return (
         f"{data['output_tokens_per_s'] / bf16['data']['output_tokens_per_s']:.2f}x bf16",
         f"{data['output_tokens_per_s']:,.0f} output tok/s ({data['bound_fraction']:.0%} of its bound); "
-        f"{data['num_preemptions']} preemptions, {data['kv_cache_tokens']:,} cache tokens, "
-        f"at most {data['max_num_scheduled_reqs']} requests a step",
+        + scheduling(data),
     )
 
 

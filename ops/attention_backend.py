@@ -80,8 +80,12 @@ class AttentionBackend:
             return
         if attention_mgpu.kernel_supports(model_dtype, head_dim, block_size, kv_dtype):
             return
-        candidates = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
-        takes = [name for name in candidates if attention_mgpu.kernel_supports(model_dtype, head_dim, block_size, name)]
+        candidates = (*attention_mgpu.QUERY_DTYPES, *attention_mgpu.FP8_CACHE_DTYPES)
+        takes = [
+            dtype.name
+            for dtype in candidates
+            if attention_mgpu.kernel_supports(model_dtype, head_dim, block_size, dtype)
+        ]
         raise ValueError(
             f"The Mosaic GPU attention kernel (attention impl 'mosaic_gpu', argument or "
             f"${envs.ATTENTION_IMPL_ENV_VAR}) cannot read a {jnp.dtype(kv_dtype).name} KV cache with head_dim "

@@ -64,6 +64,11 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, sharding: jax.shardin
 KV_CACHE_MARGIN_BYTES = 1 << 30
 
 
+def _gib(size: int) -> str:
+    """Bytes as GiB, for logs and errors."""
+    return f"{size / 2**30:.2f} GiB"
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryBudget:
     """How one device's memory was shared out when the KV cache was sized (a mesh's devices alike).
@@ -92,10 +97,9 @@ class MemoryBudget:
         return self.num_blocks * self.bytes_per_block
 
     def __str__(self) -> str:
-        gib = lambda size: f"{size / 2**30:.2f} GiB"
         cache = (
             f"KV cache {self.num_blocks} blocks allocated, {self.num_blocks * self.block_size} tokens, "
-            f"{gib(self.kv_cache_bytes)} a device"
+            f"{_gib(self.kv_cache_bytes)} a device"
         )
         total, weights, activations, margin = (
             self.total_bytes,
@@ -106,8 +110,8 @@ class MemoryBudget:
         if total is None or weights is None or activations is None or margin is None:
             return cache
         return (
-            f"{self.gpu_memory_utilization} of {gib(total)} a device: weights {gib(weights)}, "
-            f"activation peak {gib(activations)}, margin {gib(margin)}; {cache}"
+            f"{self.gpu_memory_utilization} of {_gib(total)} a device: weights {_gib(weights)}, "
+            f"activation peak {_gib(activations)}, margin {_gib(margin)}; {cache}"
         )
 
     def summary(self) -> dict[str, float | int | None]:
@@ -152,13 +156,12 @@ def size_kv_cache(
                 f"CacheConfig.cpu_kv_cache_bytes ({cache_config.cpu_kv_cache_bytes}); raise it."
             )
         return MemoryBudget(num_blocks, block_size, bytes_per_block, utilization, activation_bytes=activation_bytes)
-    gib = lambda size: f"{size / 2**30:.2f} GiB"
     total, pool, fraction = device_total_bytes(stats), stats["bytes_limit"], envs.gpu_memory_pool_fraction()
     usable = int(total * utilization)
     if usable > pool:
         raise ValueError(
-            f"gpu_memory_utilization={utilization} asks for {gib(usable)}, more than JAX's memory pool holds: "
-            f"{gib(pool)}, {fraction} of the device's {gib(total)}. Lower gpu_memory_utilization to {fraction}, "
+            f"gpu_memory_utilization={utilization} asks for {_gib(usable)}, more than JAX's memory pool holds: "
+            f"{_gib(pool)}, {fraction} of the device's {_gib(total)}. Lower gpu_memory_utilization to {fraction}, "
             f"or set {envs.MEM_FRACTION_ENV_VARS[0]}={utilization} (or more) before JAX starts; unset, "
             f"jaxrunner sets it to {envs.GPU_MEMORY_POOL_FRACTION}."
         )
@@ -168,8 +171,8 @@ def size_kv_cache(
     if num_blocks < 2:
         raise ValueError(
             f"Only {num_blocks} KV cache blocks fit: gpu_memory_utilization={utilization} of the device's "
-            f"{gib(total)}, less {gib(weights)} in use after loading the model, {gib(activation_bytes)} for the "
-            f"largest steps' activations and a {gib(KV_CACHE_MARGIN_BYTES)} margin, leaves {gib(left)} for blocks "
+            f"{_gib(total)}, less {_gib(weights)} in use after loading the model, {_gib(activation_bytes)} for the "
+            f"largest steps' activations and a {_gib(KV_CACHE_MARGIN_BYTES)} margin, leaves {_gib(left)} for blocks "
             f"of {bytes_per_block} bytes. Raise gpu_memory_utilization, lower max_num_batched_tokens or "
             "max_num_seqs (smaller steps need less for activations), or use a smaller model."
         )

@@ -14,6 +14,8 @@ from jaxrunner.ops.attention_mgpu.schedule import (
     tile_schedule,
 )
 from jaxrunner.ops.attention_mgpu.tuning import (
+    FP8_CACHE_DTYPES,
+    QUERY_DTYPES,
     SHARED_MEMORY_BYTES,
     KernelConfig,
     choose_config,
@@ -25,6 +27,8 @@ from jaxrunner.ops.attention_mgpu.tuning import (
 from jaxrunner.ops.attention_mgpu.wrapper import compute_dtype, prepare_tiles, ragged_paged_attention_mgpu
 
 __all__ = [
+    "FP8_CACHE_DTYPES",
+    "QUERY_DTYPES",
     "SHARED_MEMORY_BYTES",
     "KernelConfig",
     "TileSchedule",
