@@ -334,7 +334,8 @@ def _bench(args: argparse.Namespace) -> None:
             json.dump(result, f, indent=2)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the jaxrunner parser with its generate and bench commands."""
     parser = _ArgumentParser(prog="jaxrunner", description="vLLM's model runner and engine in JAX.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
 
@@ -380,7 +381,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` (the process's arguments when None) and run the command; a user's error exits
     with status 2 and one line on stderr (its traceback with ``--debug``)."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         args.run(args)
     except USER_ERRORS as error:

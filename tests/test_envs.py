@@ -1,4 +1,5 @@
-"""The environment variables jaxrunner reads, and the process-wide defaults it sets when imported."""
+"""The environment variables jaxrunner reads, the process-wide defaults it sets when imported, and the
+names it provides where vLLM's users import them."""
 
 import importlib
 import json
@@ -131,3 +132,19 @@ def test_max_n_sequences_must_be_a_positive_integer(monkeypatch):
         monkeypatch.setenv(envs.MAX_N_SEQUENCES_ENV_VAR, bad)
         with pytest.raises(ValueError, match=f"{envs.MAX_N_SEQUENCES_ENV_VAR} must be a positive integer"):
             _ = envs.JAXRUNNER_MAX_N_SEQUENCES
+
+
+def test_what_vllm_users_import_comes_from_the_same_places():
+    """``from vllm import ...`` and ``from vllm.sampling_params import ...``, with jaxrunner for vllm."""
+    from jaxrunner import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
+    from jaxrunner import sampling_params
+    from jaxrunner.engine.outputs import CompletionOutput as EngineCompletionOutput
+    from jaxrunner.engine.structured_outputs import StructuredOutputsParams as EngineStructuredOutputsParams
+    from jaxrunner.interfaces import RequestOutputKind
+
+    assert StructuredOutputsParams is sampling_params.StructuredOutputsParams is EngineStructuredOutputsParams
+    assert SamplingParams is sampling_params.SamplingParams
+    assert sampling_params.RequestOutputKind is RequestOutputKind
+    assert CompletionOutput is EngineCompletionOutput and RequestOutput.__name__ == "RequestOutput"
+    assert set(jaxrunner.__all__) >= {"LLM", "SamplingParams", "StructuredOutputsParams", "__version__"}
+    assert jaxrunner.__version__.count(".") >= 1

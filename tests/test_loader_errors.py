@@ -59,7 +59,11 @@ def test_unknown_architecture_names_it_and_lists_supported(single):
 
 @pytest.mark.parametrize(
     "text, why",
-    [('{"architectures": [', "not valid JSON"), ("[1, 2]", "holds a JSON list, not an object"), (None, "cannot be read")],
+    [
+        ('{"architectures": [', "not valid JSON"),
+        ("[1, 2]", "holds a JSON list, not an object"),
+        (None, "cannot be read"),
+    ],
 )
 def test_config_that_does_not_parse_names_the_file(single, text, why):
     config_path = single / "config.json"
