@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxrunner import envs
 from jaxrunner.config import CACHE_DTYPES, user_cache_dir
-from jaxrunner.engine.llm import LLM
+from jaxrunner.engine import llm as engine_llm
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.models.builtin import BUILTIN_MODELS, check_model_name, is_builtin
 
@@ -30,7 +30,7 @@ USER_ERRORS = (ValueError, OSError, NotImplementedError)
 features not supported yet. Anything else is a bug and keeps its traceback."""
 
 DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is"]
-_LLM_DEFAULTS = {name: p.default for name, p in inspect.signature(LLM).parameters.items()}
+_LLM_DEFAULTS = {name: p.default for name, p in inspect.signature(engine_llm.LLM).parameters.items()}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -62,12 +62,18 @@ def command_cache_dir() -> str:
     """The command's persistent compilation cache: ``JAXRUNNER_COMPILATION_CACHE_DIR`` when set; none ("")
     when the user configured JAX's own cache (it then holds jaxrunner's programs); else ``user_cache_dir()``.
     The command's process runs only jaxrunner's programs, so the cache is on by default here."""
-    import jax
-
     chosen = envs.JAXRUNNER_COMPILATION_CACHE_DIR
     if chosen is not None:
         return chosen
-    return "" if jax.config.jax_compilation_cache_dir else user_cache_dir()
+    return "" if jax_cache_dir() else user_cache_dir()
+
+
+def jax_cache_dir() -> str | None:
+    """The directory of JAX's persistent compilation cache as configured now (None: none)."""
+    import jax
+
+    # JAX defines its options' attributes at run time, out of a type checker's sight.
+    return jax.config.jax_compilation_cache_dir  # pyright: ignore[reportAttributeAccessIssue]
 
 
 # LLM's keyword -> the flag's argparse settings (the default is LLM's own).
@@ -130,13 +136,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help="show an error's traceback, not only its message")
 
 
-def _make_llm(args: argparse.Namespace) -> LLM:
+def _make_llm(args: argparse.Namespace) -> engine_llm.LLM:
     """The engine the flags describe; the model name is checked first, before anything loads."""
     check_model_name(args.model)
     kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS}
     if args.num_speculative_tokens is not None:
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    return LLM(
+    return engine_llm.LLM(
         args.model,
         enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=not args.no_async_scheduling,
@@ -169,15 +175,15 @@ def _generate(args: argparse.Namespace) -> None:
     outputs = llm.generate(args.prompt or DEFAULT_PROMPTS, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     num_tokens = 0
-    for i, output in enumerate(outputs):
+    for output in outputs:
         completion = output.outputs[0]
         num_tokens += len(completion.token_ids)
-        print(f"[{i}] prompt: {output.prompt!r} ({len(output.prompt_token_ids)} tokens)")
         if output.error:
-            print(f"    refused: {output.error}")
+            print(f"{output.prompt!r} refused: {output.error}")
             continue
+        print(f"{output.prompt!r} -> {completion.text!r} ({completion.finish_reason})")
+        print(f"    prompt token ids: {output.prompt_token_ids}")
         print(f"    output token ids: {completion.token_ids}")
-        print(f"    output text: {completion.text!r} (finished: {completion.finish_reason})")
     print(f"{num_tokens} output tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s")
 
 

@@ -29,7 +29,7 @@ def no_model_loads(monkeypatch):
     def build(*args, **kwargs):
         raise AssertionError("the engine was built before the flags were checked")
 
-    monkeypatch.setattr(cli, "LLM", build)
+    monkeypatch.setattr("jaxrunner.engine.llm.LLM", build)
 
 
 def _user_error(capsys, argv: list[str]) -> str:
@@ -131,9 +131,9 @@ def test_generate_says_the_weights_are_random_and_prints_token_ids_beside_the_te
     cli.main(["generate", "--max-tokens=4", "--prompt=Hi", *SMALL_ENGINE])
     out = capsys.readouterr().out.splitlines()
     assert "tiny-llama, built in, with RANDOM weights" in out[0] and "--model /path/to/checkpoint" in out[0]
-    assert out[1] == "[0] prompt: 'Hi' (3 tokens)"
-    ids = re.fullmatch(r" +output token ids: \[(.*)\]", out[2])
-    assert ids is not None and len(ids.group(1).split(", ")) == 4
-    text = re.fullmatch(r"    output text: (.*) \(finished: length\)", out[3])
+    text = re.fullmatch(r"'Hi' -> (.*) \(length\)", out[1])
     assert text is not None and isinstance(ast.literal_eval(text.group(1)), str)  # escaped, as repr writes it
+    assert out[2] == "    prompt token ids: [1, 75, 108]"  # the byte tokenizer: <s>, then 3 + each byte
+    ids = re.fullmatch(r"    output token ids: \[(.*)\]", out[3])
+    assert ids is not None and len(ids.group(1).split(", ")) == 4
     assert re.fullmatch(r"4 output tokens in [\d.]+ s: [\d.]+ tokens/s", out[4])

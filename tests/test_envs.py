@@ -71,7 +71,7 @@ def test_variables_are_read_when_asked_for(monkeypatch, tmp_path):
 def test_the_commands_cache_is_on_unless_the_user_chose(monkeypatch, tmp_path):
     monkeypatch.delenv(envs.COMPILATION_CACHE_DIR_ENV_VAR, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    user_dir = jax.config.jax_compilation_cache_dir
+    user_dir = cli.jax_cache_dir()
     try:
         jax.config.update("jax_compilation_cache_dir", None)
         assert cli.command_cache_dir() == str(tmp_path / "jaxrunner" / "xla")
@@ -136,8 +136,7 @@ def test_max_n_sequences_must_be_a_positive_integer(monkeypatch):
 
 def test_what_vllm_users_import_comes_from_the_same_places():
     """``from vllm import ...`` and ``from vllm.sampling_params import ...``, with jaxrunner for vllm."""
-    from jaxrunner import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
-    from jaxrunner import sampling_params
+    from jaxrunner import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams, sampling_params
     from jaxrunner.engine.outputs import CompletionOutput as EngineCompletionOutput
     from jaxrunner.engine.structured_outputs import StructuredOutputsParams as EngineStructuredOutputsParams
     from jaxrunner.interfaces import RequestOutputKind
