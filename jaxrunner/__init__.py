@@ -1,7 +1,12 @@
 """jaxrunner: vLLM's V1 GPU model runner and offline engine in JAX/XLA.
 
-Array shapes are jaxtyping annotations with one name per axis; README.md's "Array shapes" lists them.
+What a vLLM user imports from ``vllm`` that jaxrunner supports comes from here
+(``from jaxrunner import LLM, SamplingParams``), and ``jaxrunner.sampling_params``
+is ``vllm.sampling_params``. Array shapes are jaxtyping annotations with one name
+per axis; README.md's "Array shapes" lists them.
 """
+
+from importlib.metadata import version
 
 from jaxrunner import envs
 
@@ -14,4 +19,6 @@ from jaxrunner.engine.outputs import CompletionOutput, RequestOutput  # noqa: E4
 from jaxrunner.engine.structured_outputs import StructuredOutputsParams  # noqa: E402
 from jaxrunner.interfaces import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__version__ = version("jaxrunner")
+
+__all__ = ["__version__", "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]

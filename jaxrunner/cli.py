@@ -1,37 +1,129 @@
-"""The ``jaxrunner`` command line: ``generate`` and ``bench``."""
+"""The ``jaxrunner`` command line: ``generate`` and ``bench``.
+
+A user's error (a bad flag, an unknown model, a checkpoint that cannot be read)
+is one line on stderr and exit status 2; ``--debug`` shows its traceback. The
+flags are checked, and the sampling parameters built, before the model loads.
+"""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from jaxrunner import envs
+from jaxrunner.config import CACHE_DTYPES, user_cache_dir
+from jaxrunner.engine import llm as engine_llm
+from jaxrunner.interfaces import SamplingParams
+from jaxrunner.models.builtin import BUILTIN_MODELS, check_model_name, is_builtin
 
 if TYPE_CHECKING:
     from jaxrunner.engine.llm_engine import LLMEngine
 
-_ENGINE_FLAGS = {
-    "dtype": str,
-    "max_model_len": int,
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "gpu_memory_utilization": float,
-    "kv_cache_dtype": str,
-    "num_gpu_blocks_override": int,
-    "seed": int,
-    "tensor_parallel_size": int,
-    "data_parallel_size": int,
-    "num_scheduler_steps": int,
+USER_ERRORS = (ValueError, OSError, NotImplementedError)
+"""Errors reported as one line (exit status 2) unless ``--debug``: bad input, files that cannot be read,
+features not supported yet. Anything else is a bug and keeps its traceback."""
+
+DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is"]
+_LLM_DEFAULTS = {name: p.default for name, p in inspect.signature(engine_llm.LLM).parameters.items()}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where it is unset (None): the help says what unset means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """Reports a bad flag as one line on stderr, exit status 2."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _json_object(text: str) -> dict:
+    """``--compiler-options``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{}}'; got {text!r}")
+    return value
+
+
+def command_cache_dir() -> str:
+    """The command's persistent compilation cache: ``JAXRUNNER_COMPILATION_CACHE_DIR`` when set; none ("")
+    when the user configured JAX's own cache (it then holds jaxrunner's programs); else ``user_cache_dir()``.
+    The command's process runs only jaxrunner's programs, so the cache is on by default here."""
+    chosen = envs.JAXRUNNER_COMPILATION_CACHE_DIR
+    if chosen is not None:
+        return chosen
+    return "" if jax_cache_dir() else user_cache_dir()
+
+
+def jax_cache_dir() -> str | None:
+    """The directory of JAX's persistent compilation cache as configured now (None: none)."""
+    import jax
+
+    # JAX defines its options' attributes at run time, out of a type checker's sight.
+    return jax.config.jax_compilation_cache_dir  # pyright: ignore[reportAttributeAccessIssue]
+
+
+# LLM's keyword -> the flag's argparse settings (the default is LLM's own).
+_ENGINE_FLAGS: dict[str, dict[str, Any]] = {
+    "dtype": dict(
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="the weights' and activations' dtype; auto: the checkpoint's (float32 for tiny-llama)",
+    ),
+    "max_model_len": dict(type=int, help="the longest prompt plus output, in tokens; unset: the model's positions"),
+    "max_num_seqs": dict(type=int, help="the most requests in one step; unset: 8 on a CPU, 1024 on a GPU"),
+    "max_num_batched_tokens": dict(type=int, help="the most tokens in one step; unset: 128 on a CPU, 8192 on a GPU"),
+    "block_size": dict(type=int, help="tokens per KV cache block"),
+    "gpu_memory_utilization": dict(type=float, help="the fraction of each GPU's memory the engine may use"),
+    "kv_cache_dtype": dict(choices=list(CACHE_DTYPES), help="the KV cache's dtype; auto: the model's"),
+    "num_gpu_blocks_override": dict(
+        type=int, help="KV cache blocks to allocate; unset: as many as the memory budget allows"
+    ),
+    "num_scheduler_steps": dict(type=int, help="decode steps per round, in one device program (1: off)"),
+    "tensor_parallel_size": dict(type=int, help="devices that share one copy of the model"),
+    "data_parallel_size": dict(type=int, help="independent engine replicas, requests spread across them"),
+    "seed": dict(type=int, help="the seed of the built-in models' random weights and of unseeded requests"),
+    "token_buckets": dict(
+        type=int, nargs="+", help="token counts compiled for, ahead of time; unset: a ladder up to the step's most"
+    ),
+    "request_buckets": dict(
+        type=int, nargs="+", help="request counts compiled for, ahead of time; unset: a ladder up to the step's most"
+    ),
+    "compiler_options": dict(
+        type=_json_object,
+        help="XLA options for every step program as JSON, e.g. '{\"xla_gpu_enable_triton_gemm\": true}'; "
+        "'{}' for XLA's defaults; unset: cuBLAS for the matmuls of large steps",
+    ),
 }
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-llama", help="a HuggingFace checkpoint directory or a built-in name")
-    for name, kind in _ENGINE_FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--model",
+        default="tiny-llama",
+        help=f"a local Hugging Face checkpoint directory, or a built-in model with random weights "
+        f"({', '.join(BUILTIN_MODELS)}); nothing is downloaded",
+    )
+    for name, settings in _ENGINE_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), default=_LLM_DEFAULTS[name], **settings)
+    parser.add_argument(
+        "--compilation-cache-dir",
+        default=command_cache_dir(),
+        help=f"JAX's persistent compilation cache ('': none); {envs.COMPILATION_CACHE_DIR_ENV_VAR} sets the default",
+    )
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     parser.add_argument(
         "--no-async-scheduling", action="store_true", help="process each step's tokens before scheduling the next"
     )
@@ -39,57 +131,60 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens",
         type=int,
         default=None,
-        help="turn on n-gram speculative decoding with this many drafts per step",
+        help="turn on n-gram speculative decoding with this many drafts per step; unset: off",
     )
-    parser.add_argument("--token-buckets", type=int, nargs="+", default=None)
-    parser.add_argument("--request-buckets", type=int, nargs="+", default=None)
-    parser.add_argument(
-        "--compiler-options",
-        type=json.loads,
-        default=None,
-        help="XLA options for every step program as JSON, e.g. "
-        "'{\"xla_gpu_enable_triton_gemm\": true}'; '{}' for XLA's defaults",
-    )
+    parser.add_argument("--debug", action="store_true", help="show an error's traceback, not only its message")
 
 
-def _make_llm(args: argparse.Namespace):
-    from jaxrunner.engine.llm import LLM
-
-    names = [*_ENGINE_FLAGS, "token_buckets", "request_buckets", "compiler_options"]
-    kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    if args.num_speculative_tokens:
+def _make_llm(args: argparse.Namespace) -> engine_llm.LLM:
+    """The engine the flags describe; the model name is checked first, before anything loads."""
+    check_model_name(args.model)
+    kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS}
+    if args.num_speculative_tokens is not None:
         kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    return LLM(
+    return engine_llm.LLM(
         args.model,
         enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=not args.no_async_scheduling,
+        compilation_cache_dir=args.compilation_cache_dir,
         **kwargs,
     )
 
 
-def _generate(args: argparse.Namespace) -> None:
-    from jaxrunner.interfaces import SamplingParams
+def _model_line(model: str) -> str:
+    """What the model is, so that random text is not mistaken for a broken engine."""
+    if is_builtin(model):
+        return (
+            f"model: {model}, built in, with RANDOM weights: its output is random bytes, not language. "
+            "Run a real model with --model /path/to/checkpoint (a local Hugging Face checkpoint directory)."
+        )
+    return f"model: {model}"
 
-    llm = _make_llm(args)
-    params = SamplingParams(
+
+def _generate(args: argparse.Namespace) -> None:
+    params = SamplingParams(  # refused here, before the model loads
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         max_tokens=args.max_tokens,
         seed=args.sampling_seed,
     )
+    llm = _make_llm(args)
+    print(_model_line(args.model))
     start = time.perf_counter()
-    outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    outputs = llm.generate(args.prompt or DEFAULT_PROMPTS, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     num_tokens = 0
     for output in outputs:
         completion = output.outputs[0]
         num_tokens += len(completion.token_ids)
         if output.error:
-            print(f"error: {output.error}")
-        else:
-            print(f"{output.prompt!r} -> {completion.text!r} ({completion.finish_reason})")
-    print(f"{num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s")
+            print(f"{output.prompt!r} refused: {output.error}")
+            continue
+        print(f"{output.prompt!r} -> {completion.text!r} ({completion.finish_reason})")
+        print(f"    prompt token ids: {output.prompt_token_ids}")
+        print(f"    output token ids: {completion.token_ids}")
+    print(f"{num_tokens} output tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s")
 
 
 def _lengths(rng: np.random.Generator, mean: int, spread: float, count: int) -> np.ndarray:
@@ -123,13 +218,23 @@ def _read_bound_s(engines: list[LLMEngine], copy_bytes_per_s: float) -> float:
     return max(bounds)
 
 
+def _check_workload(args: argparse.Namespace) -> None:
+    """Refuses a workload that cannot run, naming the flag; builds one request's sampling parameters."""
+    for flag in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(args, flag)}.")
+    if not 0.0 <= args.range_ratio < 1.0:
+        raise ValueError(f"--range-ratio must be in [0, 1); got {args.range_ratio}.")
+    SamplingParams(temperature=0.0 if args.greedy else 1.0, max_tokens=args.output_len, ignore_eos=True)
+
+
 def _bench(args: argparse.Namespace) -> None:
     import jax
 
     from jaxrunner.engine.kv_cache_manager import PrefixCacheStats
-    from jaxrunner.interfaces import SamplingParams
     from jaxrunner.roofline import copy_bytes_per_s
 
+    _check_workload(args)  # before the model loads
     llm = _make_llm(args)
     # The copy rate that bounds the run, measured before it on what the KV cache leaves free
     # (256 MiB copied on a GPU; a token size on a CPU, whose figure only shows the arithmetic).
@@ -235,35 +340,59 @@ def _bench(args: argparse.Namespace) -> None:
             json.dump(result, f, indent=2)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse ``argv`` (the process's arguments when None) and run the command."""
-    parser = argparse.ArgumentParser(prog="jaxrunner", description="vLLM's model runner and engine in JAX.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the jaxrunner parser with its generate and bench commands."""
+    parser = _ArgumentParser(prog="jaxrunner", description="vLLM's model runner and engine in JAX.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
 
-    generate = commands.add_parser("generate", help="generate text for prompts")
+    generate = commands.add_parser(
+        "generate",
+        help="generate text for prompts",
+        description="Generate text for prompts; print each output's token ids and text, and the throughput.",
+        formatter_class=_HelpFormatter,
+    )
     _add_engine_flags(generate)
-    generate.add_argument("--prompt", action="append", default=None, help="repeat for several prompts")
-    generate.add_argument("--max-tokens", type=int, default=32)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--sampling-seed", type=int, default=None)
+    generate.add_argument(
+        "--prompt",
+        action="append",
+        help=f"a prompt; repeat for several; unset: {' and '.join(map(repr, DEFAULT_PROMPTS))}",
+    )
+    generate.add_argument("--max-tokens", type=int, default=32, help="the most tokens generated per prompt")
+    generate.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (1: off)")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among this many most likely tokens (0: off)")
+    generate.add_argument("--sampling-seed", type=int, help="the requests' sampling seed; unset: the engine's")
     generate.set_defaults(run=_generate)
 
-    bench = commands.add_parser("bench", help="offline throughput on a synthetic workload")
+    bench = commands.add_parser(
+        "bench",
+        help="offline throughput on a synthetic workload",
+        description="Offline throughput on random prompts, as vLLM's `bench throughput`.",
+        formatter_class=_HelpFormatter,
+    )
     _add_engine_flags(bench)
-    bench.add_argument("--num-prompts", type=int, default=100)
-    bench.add_argument("--input-len", type=int, default=128)
-    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--num-prompts", type=int, default=100, help="requests in the workload")
+    bench.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (mean)")
+    bench.add_argument("--output-len", type=int, default=128, help="output tokens per request (mean)")
     bench.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
-    bench.add_argument("--greedy", action="store_true")
+    bench.add_argument("--greedy", action="store_true", help="greedy sampling instead of temperature 1")
     bench.add_argument("--repetitive", action="store_true", help="prompts repeat a 16-token phrase")
-    bench.add_argument("--workload-seed", type=int, default=0)
-    bench.add_argument("--output-json", default=None)
-    bench.add_argument("--quiet", action="store_true")
+    bench.add_argument("--workload-seed", type=int, default=0, help="the seed of the prompts and lengths")
+    bench.add_argument("--output-json", help="write the results to this JSON file; unset: print only")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(run=_bench)
+    return parser
 
-    args = parser.parse_args(argv)
-    if args.command == "generate" and not args.prompt:
-        args.prompt = ["Hello, my name is", "The capital of France is"]
-    args.run(args)
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` (the process's arguments when None) and run the command; a user's error exits
+    with status 2 and one line on stderr (its traceback with ``--debug``)."""
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except USER_ERRORS as error:
+        if args.debug:
+            raise
+        message = str(error).replace("\n", " ")
+        print(f"jaxrunner {args.command}: error: {message} (--debug shows the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -211,7 +211,14 @@ class ParallelConfig:
 
 
 def default_cache_dir() -> str:
-    """``$XDG_CACHE_HOME/jaxrunner/xla`` (``~/.cache`` without it): the persistent compilation cache."""
+    """The persistent compilation cache of a ``CompilationConfig`` given none: ``JAXRUNNER_COMPILATION_CACHE_DIR``'s
+    directory, else none (``""``): JAX keeps one cache per process, for the user's own programs too, so it is
+    turned on only at the user's word."""
+    return envs.JAXRUNNER_COMPILATION_CACHE_DIR or ""
+
+
+def user_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/jaxrunner/xla`` (``~/.cache`` without it): where the jaxrunner command keeps its programs."""
     return os.path.join(envs.XDG_CACHE_HOME, "jaxrunner", "xla")
 
 
@@ -227,8 +234,11 @@ class CompilationConfig:
 
     ``token_buckets`` pads the token axis of the model step, ``request_buckets``
     the request axis of logits and sampling; ``None`` picks a default ladder,
-    dense at small sizes. ``cache_dir`` holds the persistent compilation cache
-    (``""`` turns it off). ``compiler_options`` are XLA's options for every step
+    dense at small sizes. ``cache_dir`` turns JAX's persistent compilation cache
+    on, there, for the whole process (JAX has one cache per process: the user's
+    own jitted functions are written there too); ``""``, the default unless
+    ``JAXRUNNER_COMPILATION_CACHE_DIR`` names one, leaves JAX's cache settings
+    as they are. ``compiler_options`` are XLA's options for every step
     program (``jax.stages.Lowered.compile``); ``None`` lets the program's row
     count choose (cuBLAS for the matmuls from ``CUBLAS_MIN_ROWS`` rows), ``{}``
     takes XLA's own defaults everywhere.

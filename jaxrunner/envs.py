@@ -1,7 +1,8 @@
 """The one place jaxrunner reads environment variables, and writes the few that XLA and PjRt read.
 
-Reading: ``envs.JAXRUNNER_ATTENTION_IMPL`` and ``envs.XDG_CACHE_HOME`` are looked
-up when asked for (as vLLM's ``envs``), so a variable set after import counts.
+Reading: ``envs.JAXRUNNER_ATTENTION_IMPL``, ``envs.JAXRUNNER_COMPILATION_CACHE_DIR`` and the
+others in ``environment_variables`` are looked up when asked for (as vLLM's ``envs``), so a
+variable set after import counts.
 Writing: XLA and the PjRt GPU client read their settings once, when JAX starts
 its first backend; ``jaxrunner/__init__.py`` sets jaxrunner's defaults there,
 never overriding a value the user chose.
@@ -16,10 +17,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     JAXRUNNER_ATTENTION_IMPL: str | None = None
     JAXRUNNER_ALLOW_LONG_MAX_MODEL_LEN: bool = False
+    JAXRUNNER_MAX_N_SEQUENCES: int = 0
+    JAXRUNNER_COMPILATION_CACHE_DIR: str | None = None
     XDG_CACHE_HOME: str = ""
 
 ATTENTION_IMPL_ENV_VAR = "JAXRUNNER_ATTENTION_IMPL"
 ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR = "JAXRUNNER_ALLOW_LONG_MAX_MODEL_LEN"
+MAX_N_SEQUENCES_ENV_VAR = "JAXRUNNER_MAX_N_SEQUENCES"
+DEFAULT_MAX_N_SEQUENCES = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
+COMPILATION_CACHE_DIR_ENV_VAR = "JAXRUNNER_COMPILATION_CACHE_DIR"
 ASYNC_DISPATCH_ENV_VAR = "PJRT_GPU_ENABLE_ASYNC_DISPATCH"
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
 # JAX's names for the fraction of each GPU its memory pool holds: the current one, then the deprecated
@@ -36,9 +42,30 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "1" lets max_model_len exceed the model's positions (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): outputs past
     # the positions the model was trained on may be wrong.
     ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR: lambda: os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR, "0") == "1",
-    # The user's cache root; the persistent compilation cache defaults to $XDG_CACHE_HOME/jaxrunner/xla.
+    # The most completions one request may ask for (SamplingParams.n), as vLLM's VLLM_MAX_N_SEQUENCES:
+    # each completion is a request of its own, so an unbounded n would exhaust the host's memory.
+    MAX_N_SEQUENCES_ENV_VAR: lambda: _positive_int(MAX_N_SEQUENCES_ENV_VAR, DEFAULT_MAX_N_SEQUENCES),
+    # The persistent compilation cache LLM and ModelRunner use unless given one: opt-in, since JAX keeps one
+    # cache per process and the user's own jitted functions would land there too. Unset or "": they leave
+    # JAX's cache settings alone. The jaxrunner command, whose process runs only jaxrunner's programs, takes
+    # it when set ("" turns the command's cache off), else $XDG_CACHE_HOME/jaxrunner/xla.
+    COMPILATION_CACHE_DIR_ENV_VAR: lambda: _expanded(os.environ.get(COMPILATION_CACHE_DIR_ENV_VAR)),
+    # The user's cache root, under which the jaxrunner command keeps its compiled programs.
     "XDG_CACHE_HOME": lambda: os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
 }
+
+
+def _positive_int(name: str, default: int) -> int:
+    """The environment variable ``name`` as a positive integer, ``default`` when unset or empty."""
+    value = os.environ.get(name) or str(default)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"The environment variable {name} must be a positive integer; got {value!r}.")
+    return int(value)
+
+
+def _expanded(path: str | None) -> str | None:
+    """``path`` with a leading ``~`` expanded; None stays None."""
+    return None if path is None else os.path.expanduser(path)
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 from jaxtyping import Float, Int
 
+from jaxrunner import envs
+
 # Below this temperature vLLM samples greedily and turns top-p/top-k/min-p off.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -26,7 +28,13 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
 
 @dataclasses.dataclass
 class SamplingParams:
-    """Per-request sampling parameters with vLLM's names, defaults and checks."""
+    """Per-request sampling parameters with vLLM's names, defaults and checks.
+
+    ``n`` (completions of the prompt) is at most ``JAXRUNNER_MAX_N_SEQUENCES``
+    (16384 unless set), as vLLM's ``VLLM_MAX_N_SEQUENCES`` bounds it: each
+    completion is a request of its own. vLLM's V1 dropped ``best_of``; it is
+    refused here too (a ``TypeError``, an unknown argument).
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -140,6 +148,12 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {why}; got {getattr(self, name)!r}.")
+        max_n = envs.JAXRUNNER_MAX_N_SEQUENCES
+        if self.n > max_n:
+            raise ValueError(
+                f"SamplingParams.n must be at most {max_n}; got {self.n}. "
+                f"Set {envs.MAX_N_SEQUENCES_ENV_VAR} to raise the limit."
+            )
 
 
 @dataclasses.dataclass

@@ -4,10 +4,15 @@ They exercise the whole engine (tokenize, prefill, decode, detokenize) on any
 machine without a download; their text is random bytes, not language.
 """
 
+import difflib
+import re
+from pathlib import Path
+
 from jax.sharding import Mesh
 from transformers import PreTrainedTokenizerFast
 
 from jaxrunner.models import CausalLM, TransformerConfig, init_random_model, load_model
+from jaxrunner.models.safetensors_io import CONFIG_FILE, read_json_object
 from jaxrunner.models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
 from jaxrunner.models.transformer import Llama3RopeScaling
 
@@ -63,6 +68,31 @@ def is_builtin(name: str) -> bool:
     return name in BUILTIN_MODELS
 
 
+def check_model_name(name: str) -> None:
+    """Refuses (``ValueError``) a ``name`` that is neither a built-in model nor a checkpoint directory, with the
+    built-in names, the nearest one to a misspelling, and how to fetch a Hugging Face Hub model first.
+    A directory's config.json must parse (``CheckpointError`` naming it), before anything loads."""
+    if is_builtin(name):
+        return
+    if Path(name).is_dir():
+        read_json_object(Path(name) / CONFIG_FILE)
+        return
+    hints = []
+    near = difflib.get_close_matches(name, BUILTIN_MODELS, n=1)
+    if near:
+        hints.append(f"Did you mean {near[0]!r}?")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not Path(name).exists():
+        hints.append(
+            f"{name!r} looks like a Hugging Face Hub id: download it first (e.g. "
+            f"`hf download {name} --local-dir DIR`) and give DIR."
+        )
+    message = (
+        f"model {name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a checkpoint directory; "
+        "jaxrunner loads local checkpoint directories only and downloads nothing."
+    )
+    raise ValueError(" ".join([message, *hints]))
+
+
 def load_builtin(
     name: str, *, dtype="float32", seed: int = 0, mesh: Mesh | None = None
 ) -> tuple[CausalLM, TransformerConfig, PreTrainedTokenizerFast]:
@@ -75,7 +105,9 @@ def load_builtin(
 
 
 def load_named_model(name: str, *, dtype="float32", seed: int = 0, mesh: Mesh | None = None) -> CausalLM:
-    """A built-in model (random weights from ``seed``) or a checkpoint directory's, on ``mesh``."""
+    """A built-in model (random weights from ``seed``) or a checkpoint directory's, on ``mesh``;
+    any other ``name`` is refused by :func:`check_model_name`."""
+    check_model_name(name)
     if is_builtin(name):
         return load_builtin(name, dtype=dtype, seed=seed, mesh=mesh)[0]
     return load_model(name, dtype=dtype, mesh=mesh)[0]

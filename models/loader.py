@@ -13,9 +13,10 @@ An attention layer's KV cache scales (``KVScale``) come from the tensors vLLM
 reads for them (:data:`KV_SCALE_NAMES`), else are 1.0.
 """
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from os import PathLike
 from pathlib import Path
 
@@ -30,7 +31,13 @@ from jaxrunner.config import ParallelConfig
 from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.partitioning import logical_axes, param_sharding, param_shardings
 from jaxrunner.models.registry import model_class
-from jaxrunner.models.safetensors_io import CheckpointError, checkpoint_files, iter_tensors
+from jaxrunner.models.safetensors_io import (
+    CONFIG_FILE,
+    CheckpointError,
+    checkpoint_files,
+    iter_tensors,
+    read_json_object,
+)
 from jaxrunner.models.transformer import CausalLM, KVScale, MergedProjection, TransformerConfig
 from jaxrunner.sharding import make_mesh
 
@@ -58,13 +65,15 @@ def load_model(
     ``dtype`` is the compute dtype, ``param_dtype`` the weights' (default ``dtype``);
     both accept names like ``"bfloat16"`` or jnp dtypes. ``mesh`` (default: the first
     device) is where the weights go, split over its ``model`` axis. Raises ``ValueError``
-    for an unsupported architecture or a layout the mesh cannot take, and
-    ``CheckpointError`` for weights that do not fit.
+    for a layout the mesh cannot take, and ``CheckpointError`` (a ``ValueError``) naming
+    the file at fault for a config.json or index that cannot be read or is not supported
+    (an architecture, a RoPE type), and for weights that do not fit.
     """
     model_dir = Path(model_dir)
-    hf_config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    cls = model_class(hf_config)
-    config = TransformerConfig.from_hf(hf_config)
+    hf_config = read_hf_config(model_dir)
+    with _naming(model_dir / CONFIG_FILE):
+        cls = model_class(hf_config)
+        config = TransformerConfig.from_hf(hf_config)
     dtype = jnp.dtype(dtype)
     param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
     mesh = mesh or make_mesh(ParallelConfig())
@@ -76,13 +85,35 @@ def load_model(
 def load_eagle_head(model_dir: str | PathLike, *, dtype="float32", mesh: Mesh | None = None) -> EagleHead:
     """An EAGLE draft head from a local checkpoint (``config.json`` of its decoder layers, safetensors)."""
     model_dir = Path(model_dir)
-    hf_config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    config = TransformerConfig.from_hf(hf_config)
+    hf_config = read_hf_config(model_dir)
+    with _naming(model_dir / CONFIG_FILE):
+        config = TransformerConfig.from_hf(hf_config)
     dtype = jnp.dtype(dtype)
     mesh = mesh or make_mesh(ParallelConfig())
     head = nnx.eval_shape(lambda: EagleHead(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0), mesh=mesh))
     _fill_params(head, model_dir, dtype, mesh)
     return head
+
+
+def read_hf_config(model_dir: Path) -> transformers.PretrainedConfig:
+    """``model_dir``'s config.json as transformers reads it; a missing directory or file, or one that
+    does not parse, raises ``CheckpointError`` naming it."""
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: no such checkpoint directory")
+    read_json_object(model_dir / CONFIG_FILE)  # our own reading names the file; transformers' may not
+    with _naming(model_dir / CONFIG_FILE):
+        return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Re-raises an error from reading ``path`` as a ``CheckpointError`` that starts with the path."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: {e}") from e
 
 
 def init_random_model(

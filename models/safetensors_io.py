@@ -1,22 +1,26 @@
-"""A minimal, validating reader of safetensors checkpoints.
+"""A minimal, validating reader of safetensors checkpoints and their JSON files.
 
 A safetensors file is an 8-byte little-endian header length ``n``, ``n`` bytes
 of JSON naming each tensor's dtype, shape and ``[begin, end)`` byte range in
 the data section, then the raw data. Each file is memory-mapped and tensors
 are yielded one at a time as read-only NumPy views, so a loader can move them
 to the device one by one without a second full copy in host memory.
+
+Every error names the file at fault; a sharded checkpoint's index may name
+only files inside the checkpoint directory.
 """
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -106,6 +110,30 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield e.name, data[e.start : e.stop].view(e.dtype).reshape(e.shape)
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the checkpoint file ``path``; a missing file, or one that is not a JSON object,
+    raises ``CheckpointError`` naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({e})") from e
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def check_json_files(model_dir: Path, names: Iterable[str]) -> None:
+    """Each file of ``names`` that ``model_dir`` holds must be a JSON object; the first that is not
+    raises ``CheckpointError`` naming it."""
+    for name in names:
+        if (Path(model_dir) / name).exists():
+            read_json_object(Path(model_dir) / name)
+
+
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a HF model directory, via its index when sharded."""
     model_dir = Path(model_dir)
@@ -119,14 +147,19 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def _shards_from_index(index_path: Path) -> list[Path]:
-    """The distinct shard files an index names, each checked to exist."""
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        shard_names = sorted(set(weight_map.values()))
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{index_path}: not a valid safetensors index ({e!r})") from e
-    shards = [index_path.parent / name for name in shard_names]
-    for shard in shards:
+    """The distinct shard files an index names, each checked to lie in the index's directory and to exist."""
+    weight_map = read_json_object(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to shard file names")
+    shards = []
+    for name in sorted(set(weight_map.values())):
+        if PurePath(name).is_absolute() or ".." in PurePath(name).parts:
+            raise CheckpointError(
+                f"{index_path}: names shard {name!r}, outside the checkpoint directory; an index may name "
+                "only files inside its own directory"
+            )
+        shard = index_path.parent / name
         if not shard.is_file():
-            raise CheckpointError(f"{index_path}: names shard {shard.name!r}, which does not exist")
+            raise CheckpointError(f"{index_path}: names shard {name!r}, which does not exist ({shard})")
+        shards.append(shard)
     return shards

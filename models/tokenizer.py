@@ -19,7 +19,10 @@ from pathlib import Path
 import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from jaxrunner.models.safetensors_io import check_json_files
+
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
+TOKENIZER_JSON_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 BYTE_OFFSET = 3
 """The id of byte ``b`` is ``BYTE_OFFSET + b``."""
@@ -68,7 +71,8 @@ def load_tokenizer(model_dir: str | PathLike) -> transformers.PreTrainedTokenize
     """The tokenizer saved with a local HF checkpoint; never downloads.
 
     Raises ``FileNotFoundError`` naming ``model_dir`` when it is not a directory
-    or holds no tokenizer that transformers can load (its own error is appended).
+    or holds no tokenizer that transformers can load (its own error is appended),
+    and ``CheckpointError`` naming the file when one of its JSON files does not parse.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -76,6 +80,7 @@ def load_tokenizer(model_dir: str | PathLike) -> transformers.PreTrainedTokenize
     try:
         return transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, TypeError) as error:
+        check_json_files(model_dir, TOKENIZER_JSON_FILES)  # names a file that does not parse
         raise FileNotFoundError(
             f"{model_dir}: no usable tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model, "
             f"vocab.json + merges.txt...); give prompts as token ids, or add the tokenizer. ({error})"

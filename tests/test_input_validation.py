@@ -8,6 +8,7 @@ import pytest
 from runner_driver import make_runner
 
 from jaxrunner import LLM, SamplingParams
+from jaxrunner.envs import MAX_N_SEQUENCES_ENV_VAR
 from jaxrunner.interfaces import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from jaxrunner.models import init_random_model
 from jaxrunner.models.builtin import BUILTIN_MODELS
@@ -50,6 +51,25 @@ def test_numpy_integers_are_taken_as_python_numbers():
     params = _params(n=np.int64(2), max_tokens=np.int32(7), temperature=np.float32(0.5), logit_bias={np.int64(3): 1})
     assert (params.n, params.max_tokens, params.logit_bias) == (2, 7, {3: 1.0})
     assert type(params.n) is int and type(params.temperature) is float
+
+
+def test_n_is_bounded_as_vllm_bounds_it(monkeypatch):
+    """Each of n completions is a request: n=10**9 would exhaust the host's memory, so n has vLLM's bound."""
+    monkeypatch.delenv(MAX_N_SEQUENCES_ENV_VAR, raising=False)
+    assert _params(n=16384).n == 16384
+    with pytest.raises(
+        ValueError, match=rf"SamplingParams\.n must be at most 16384; got {10**9}.*{MAX_N_SEQUENCES_ENV_VAR}"
+    ):
+        _params(n=10**9)
+    monkeypatch.setenv(MAX_N_SEQUENCES_ENV_VAR, "4")
+    assert _params(n=4).n == 4
+    with pytest.raises(ValueError, match=r"SamplingParams\.n must be at most 4; got 5"):
+        _params(n=5)
+
+
+def test_best_of_is_refused_as_vllm_v1_refuses_it():
+    with pytest.raises(TypeError, match="best_of"):
+        _params(best_of=2)
 
 
 def _new(req_id: str, **fields) -> NewRequestData:

@@ -14,7 +14,9 @@ import torch
 from hf_models import save_tiny_hf_model, tiny_hf_config
 
 from jaxrunner.models import CheckpointError, TransformerConfig, load_model, supported_architectures
-from jaxrunner.models.safetensors_io import iter_tensors
+from jaxrunner.models.builtin import BUILTIN_MODELS, check_model_name, load_named_model
+from jaxrunner.models.safetensors_io import INDEX_FILE, iter_tensors
+from jaxrunner.models.tokenizer import build_byte_tokenizer, load_tokenizer
 
 SMALL: dict[str, Any] = dict(num_hidden_layers=2)  # config overrides
 
@@ -50,9 +52,81 @@ def test_unknown_architecture_names_it_and_lists_supported(single):
     config = json.loads(config_path.read_text())
     config["architectures"] = ["FancyNewForCausalLM"]
     config_path.write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="FancyNewForCausalLM") as info:
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(config_path))}: .*FancyNewForCausalLM") as info:
         load_model(single)
     assert all(name in str(info.value) for name in supported_architectures())
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ('{"architectures": [', "not valid JSON"),
+        ("[1, 2]", "holds a JSON list, not an object"),
+        (None, "cannot be read"),
+    ],
+)
+def test_config_that_does_not_parse_names_the_file(single, text, why):
+    config_path = single / "config.json"
+    if text is None:
+        config_path.unlink()
+    else:
+        config_path.write_text(text)
+    for load in (load_model, check_model_name, load_named_model):
+        with pytest.raises(CheckpointError, match=rf"{re.escape(str(config_path))}: {why}"):
+            load(str(single))
+
+
+def _rewrite_index(model_dir: Path, edit) -> None:
+    path = model_dir / INDEX_FILE
+    index = json.loads(path.read_text())
+    edit(index["weight_map"])
+    path.write_text(json.dumps(index))
+
+
+def test_index_that_does_not_parse_names_the_file(sharded):
+    (sharded / INDEX_FILE).write_text('{"weight_map": {')
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(sharded / INDEX_FILE))}: not valid JSON"):
+        load_model(sharded)
+    (sharded / INDEX_FILE).write_text('{"weight_map": ["model-00001.safetensors"]}')
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(sharded / INDEX_FILE))}: 'weight_map' must map"):
+        load_model(sharded)
+
+
+@pytest.mark.parametrize("outside", ["absolute", "parent"])
+def test_index_naming_a_file_outside_the_checkpoint_is_refused(sharded, tmp_path, outside):
+    """A shard is looked for inside the checkpoint directory only, even where the file named outside exists."""
+    name = "model.layers.0.mlp.up_proj.weight"
+    stray = tmp_path / "stray.safetensors"  # a valid shard, beside the checkpoint directory
+    shutil.copy(sharded / json.loads((sharded / INDEX_FILE).read_text())["weight_map"][name], stray)
+    named = str(stray) if outside == "absolute" else "../stray.safetensors"
+    _rewrite_index(sharded, lambda weight_map: weight_map.update({name: named}))
+    with pytest.raises(CheckpointError, match=rf"{INDEX_FILE}: names shard {re.escape(repr(named))}, outside the"):
+        load_model(sharded)
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json", "special_tokens_map.json"])
+def test_tokenizer_file_that_does_not_parse_is_named(tmp_path, name):
+    build_byte_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / name).write_text("{")
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(tmp_path / name))}: not valid JSON"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name, hint",
+    [
+        ("tiny-lama", "Did you mean 'tiny-llama'?"),
+        ("meta-llama/Llama-3-8B", "looks like a Hugging Face Hub id: download it first"),
+        ("/no/such/checkpoint", ""),
+    ],
+)
+def test_a_name_that_is_no_model_lists_the_built_in_ones_and_says_nothing_is_downloaded(name, hint):
+    for load in (check_model_name, load_named_model):
+        with pytest.raises(ValueError, match=re.escape(f"model {name!r} is neither a built-in model")) as info:
+            load(name)
+        message = str(info.value)
+        assert all(builtin in message for builtin in BUILTIN_MODELS)
+        assert "local checkpoint directories only and downloads nothing" in message and hint in message
 
 
 def test_truncated_file_names_the_file(single):
