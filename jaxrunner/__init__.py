@@ -12,6 +12,15 @@ envs.size_gpu_memory_pool()
 from jaxrunner.engine.llm import LLM  # noqa: E402
 from jaxrunner.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from jaxrunner.engine.structured_outputs import StructuredOutputsParams  # noqa: E402
+from jaxrunner.inputs import TextPrompt, TokensPrompt  # noqa: E402
 from jaxrunner.interfaces import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "TextPrompt",
+    "TokensPrompt",
+]

@@ -78,5 +78,6 @@ def load_tokenizer(model_dir: str | PathLike) -> transformers.PreTrainedTokenize
     except (OSError, ValueError, TypeError) as error:
         raise FileNotFoundError(
             f"{model_dir}: no usable tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model, "
-            f"vocab.json + merges.txt...); give prompts as token ids, or add the tokenizer. ({error})"
+            f"vocab.json + merges.txt...): add the tokenizer's files, or pass skip_tokenizer_init=True to LLM "
+            f"and give prompts as token ids. ({error})"
         ) from error
