@@ -26,7 +26,14 @@ from jaxrunner import SamplingParams
 from jaxrunner.engine.llm import LLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-PROMPTS = [np.random.default_rng(0).integers(3, 250, n).tolist() for n in (5, 40, 17, 70, 9)]
+
+
+def token_prompts(seed: int, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 250, n).tolist() for n in lengths]
+
+
+PROMPTS = token_prompts(0, (5, 40, 17, 70, 9))
 DEADLINE_S = 120
 
 
@@ -182,28 +189,46 @@ def test_an_interrupt_after_a_program_took_its_donated_buffers(llm, fresh, monke
     assert greedy_tokens(llm) == fresh
 
 
+@pytest.fixture(scope="module")
+def reference(cache_dir):
+    """A second engine, never interrupted: what a fresh engine returns."""
+    return tiny_llm(cache_dir)
+
+
 @pytest.mark.parametrize(
-    "where", ["scheduler.schedule", "scheduler.update_from_output", "runner.sample_tokens", "output_processor.process"]
+    "where",
+    [
+        "scheduler.schedule",
+        "scheduler.update_from_output",
+        "runner.execute_model",
+        "runner.sample_tokens",
+        "output_processor.process",
+    ],
 )
-def test_an_exception_inside_a_step(llm, fresh, monkeypatch, where):
+def test_an_exception_that_cuts_a_step_short(llm, reference, monkeypatch, where):
+    """Raised right after the second step's call of ``where`` did its work (blocks allocated and
+    registered in the prefix cache, requests added to the runner, tokens applied...). The prompts
+    are new to the engine, so no KV block holds their keys and values from an earlier call."""
+    prompts = token_prompts(len(where), (5, 40, 17, 70))
     engine = llm.llm_engine
     owner_name, method = where.split(".")
     owner = getattr(engine, owner_name)
     original = getattr(owner, method)
     calls = []
 
-    def fail_on_the_third(*args, **kwargs):
+    def fail_after_the_second(*args, **kwargs):
+        result = original(*args, **kwargs)
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 2:
             raise RuntimeError("a bug inside the step")
-        return original(*args, **kwargs)
+        return result
 
-    monkeypatch.setattr(owner, method, fail_on_the_third)
+    monkeypatch.setattr(owner, method, fail_after_the_second)
     with pytest.raises(RuntimeError, match="a bug inside the step"):
-        streamed_tokens(llm)
+        streamed_tokens(llm, prompts)
     monkeypatch.undo()
     assert_nothing_left(llm)
-    assert greedy_tokens(llm) == fresh
+    assert greedy_tokens(llm, prompts) == greedy_tokens(reference, prompts)
 
 
 @pytest.mark.parametrize(
@@ -212,7 +237,11 @@ def test_an_exception_inside_a_step(llm, fresh, monkeypatch, where):
         (None, TypeError, r"prompts\[2\] must be text, token ids or a dict"),
         (np.array([5.0, 6.0]), TypeError, r"prompts\[2\] is a NumPy array of float64"),
         ([5, "6"], TypeError, r"prompts\[2\]\[1\] is '6'"),
-        ({"prompt_token_ids": [5], "multi_modal_data": {}}, ValueError, r"prompts\[2\] has keys \['multi_modal_data'\]"),
+        (
+            {"prompt_token_ids": [5], "multi_modal_data": {}},
+            ValueError,
+            r"prompts\[2\] has keys \['multi_modal_data'\]",
+        ),
     ],
 )
 def test_a_bad_prompt_in_the_middle_fails_before_any_prompt_enters(llm, fresh, monkeypatch, bad, error, match):
