@@ -16,6 +16,7 @@ import random
 import signal
 import threading
 import time
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -252,6 +253,21 @@ def test_a_bad_prompt_in_the_middle_fails_before_any_prompt_enters(llm, fresh, m
         llm.generate(prompts, GREEDY, use_tqdm=False)
     with pytest.raises(error, match=match):
         llm.stream(prompts, GREEDY)
+    assert added == []
+    monkeypatch.undo()
+    assert_nothing_left(llm)
+    assert greedy_tokens(llm) == fresh
+
+
+def test_an_exception_while_preparing_the_third_prompt_queues_none(llm, fresh, monkeypatch):
+    """Prompts are all checked and made into requests before the first is queued: a failure while
+    preparing one (here a parameter changed to a wrong type after construction) queues none."""
+    broken = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    broken.max_tokens = cast(Any, "24")
+    added = []
+    monkeypatch.setattr(llm.llm_engine.scheduler, "add_request", added.append)
+    with pytest.raises(TypeError):
+        llm.generate(PROMPTS, [GREEDY, GREEDY, broken, GREEDY, GREEDY], use_tqdm=False)
     assert added == []
     monkeypatch.undo()
     assert_nothing_left(llm)
