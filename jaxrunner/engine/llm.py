@@ -302,7 +302,7 @@ class LLM:
 
     def _new_requests(
         self,
-        prompts: PromptType | Sequence[PromptType],
+        prompts: object,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         lora_request: object | None,
     ) -> list[_NewRequest]:

@@ -30,7 +30,7 @@ class TokensPrompt(TypedDict):
     prompt: NotRequired[str]
 
 
-PromptType = str | TextPrompt | TokensPrompt | Sequence[int] | np.ndarray
+PromptType = str | TextPrompt | TokensPrompt | Sequence[int | np.integer] | np.ndarray
 """One prompt, in any of the forms ``LLM`` takes."""
 
 _DICT_KEYS = ("prompt", "prompt_token_ids")
