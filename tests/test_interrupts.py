@@ -317,6 +317,27 @@ def test_abort_request_mid_stream_ends_the_prompt_with_an_abort_output(llm, fres
     assert greedy_tokens(llm) == fresh
 
 
+def test_an_abort_asked_for_inside_a_step_is_applied_at_its_end(llm, fresh, monkeypatch):
+    """As a stream's finalizer run by the garbage collector in the middle of another call's step does:
+    the abort waits for the step to end, then ends every prompt with an abort output."""
+    engine = llm.llm_engine
+    stream = llm.stream(PROMPTS, GREEDY)
+    next(stream)
+    schedule = engine.scheduler.schedule
+
+    def schedule_then_abort_all():
+        scheduled = schedule()
+        monkeypatch.undo()
+        engine.abort_request(engine.unfinished_prompt_ids)
+        return scheduled
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_then_abort_all)
+    finals = [o for o in stream if o.finished]
+    assert [o.outputs[0].finish_reason for o in finals] == ["abort"] * len(PROMPTS)
+    assert_nothing_left(llm)
+    assert greedy_tokens(llm) == fresh
+
+
 def test_a_generate_while_a_stream_is_open_leaves_the_stream_its_outputs(llm, fresh):
     stream = llm.stream(PROMPTS, GREEDY)
     tokens: dict[str, list[int]] = {}
