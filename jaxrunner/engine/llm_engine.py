@@ -240,8 +240,10 @@ class LLMEngine:
             self.abort_request(request_ids, internal)
 
     def _recover_if_needed(self) -> None:
+        """Recover from a change cut short where no handler ran (called outside any change)."""
         if self._needs_recovery:
             self._recover()
+            self._busy = False
 
     def _recover(self) -> None:
         """Consistent again after a change was cut short: every prompt aborted (their final outputs
