@@ -153,7 +153,7 @@ def _duration(call) -> float:
 
 @pytest.mark.parametrize("entry", [greedy_tokens, streamed_tokens], ids=["generate", "stream"])
 def test_keyboard_interrupts_at_random_moments(llm, fresh, entry):
-    duration = _duration(lambda: entry(llm))
+    duration = min(_duration(lambda: entry(llm)) for _ in range(3))  # delays fall inside the calls
     rng = random.Random(1234)
     interrupted = 0
     for _ in range(16):
@@ -194,6 +194,34 @@ def test_an_interrupt_after_a_program_took_its_donated_buffers(llm, fresh, monke
 def reference(cache_dir):
     """A second engine, never interrupted: what a fresh engine returns."""
     return tiny_llm(cache_dir)
+
+
+def test_a_step_cut_short_ends_each_prompt_of_the_engine_with_an_abort_output(llm, fresh, monkeypatch):
+    """Through ``LLMEngine`` itself: the step that raised leaves every prompt aborted, and the next
+    ``step()`` returns each one's final output (CUMULATIVE: the tokens it had)."""
+    engine = llm.llm_engine
+    for request_id, prompt in zip("ab", PROMPTS):
+        assert engine.add_request(request_id, prompt, GREEDY) is None
+    for _ in range(3):
+        engine.step()
+    call = engine.runner._call
+
+    def interrupted(program, *args):
+        call(program, *args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.runner, "_call", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.has_unfinished_requests()  # the aborted prompts' outputs, for the next step
+    finals = {o.request_id: o for o in engine.step()}
+    assert sorted(finals) == ["a", "b"]
+    for output in finals.values():
+        assert output.finished and output.outputs[0].finish_reason == "abort"
+        assert 0 < len(output.outputs[0].token_ids) < GREEDY.max_tokens
+    assert_nothing_left(llm)
+    assert greedy_tokens(llm) == fresh
 
 
 @pytest.mark.parametrize(
