@@ -219,7 +219,7 @@ def test_a_step_cut_short_ends_each_prompt_of_the_engine_with_an_abort_output(ll
     assert sorted(finals) == ["a", "b"]
     for output in finals.values():
         assert output.finished and output.outputs[0].finish_reason == "abort"
-        assert 0 < len(output.outputs[0].token_ids) < GREEDY.max_tokens
+        assert 0 < len(output.outputs[0].token_ids) < 24  # GREEDY.max_tokens
     assert_nothing_left(llm)
     assert greedy_tokens(llm) == fresh
 
