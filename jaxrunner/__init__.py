@@ -17,8 +17,18 @@ envs.size_gpu_memory_pool()
 from jaxrunner.engine.llm import LLM  # noqa: E402
 from jaxrunner.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from jaxrunner.engine.structured_outputs import StructuredOutputsParams  # noqa: E402
+from jaxrunner.inputs import TextPrompt, TokensPrompt  # noqa: E402
 from jaxrunner.interfaces import SamplingParams  # noqa: E402
 
 __version__ = version("jaxrunner")
 
-__all__ = ["__version__", "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "__version__",
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "TextPrompt",
+    "TokensPrompt",
+]

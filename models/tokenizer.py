@@ -83,5 +83,6 @@ def load_tokenizer(model_dir: str | PathLike) -> transformers.PreTrainedTokenize
         check_json_files(model_dir, TOKENIZER_JSON_FILES)  # names a file that does not parse
         raise FileNotFoundError(
             f"{model_dir}: no usable tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model, "
-            f"vocab.json + merges.txt...); give prompts as token ids, or add the tokenizer. ({error})"
+            f"vocab.json + merges.txt...): add the tokenizer's files, or pass skip_tokenizer_init=True to LLM "
+            f"and give prompts as token ids. ({error})"
         ) from error

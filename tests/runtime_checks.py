@@ -7,7 +7,8 @@ with placeholder leaves (``ShapeDtypeStruct`` in ``eval_shape``, ``ArgInfo`` in 
 ``object()``) where the fields say arrays; a constructor called by JAX itself is not checked
 (jaxtyping issue 277). Constructions in jaxrunner's own code, traced or not, are. The user's own
 parameter objects are not checked either: they validate their fields themselves and answer a wrong
-type with a ValueError naming the field, which is what their tests check.
+type with a ValueError naming the field, which is what their tests check; nor are ``LLM``'s entry points
+that take the user's prompts, which check each prompt's form and answer with an error naming the prompt.
 """
 
 import functools
@@ -22,7 +23,7 @@ import jaxtyping
 _CONF = beartype.BeartypeConf(is_pep484_tower=True)
 _JAXTYPING_DIR = os.path.dirname(jaxtyping.__file__) + os.sep
 _JAX_DIR = os.path.dirname(jax.__file__) + os.sep
-_USER_PARAMETERS = {"SamplingParams.__init__", "StructuredOutputsParams.__init__"}
+_USER_PARAMETERS = {"SamplingParams.__init__", "StructuredOutputsParams.__init__", "LLM.generate", "LLM.stream"}
 
 
 def _called_by_jax() -> bool:

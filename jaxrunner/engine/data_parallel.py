@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 from jaxrunner.engine.llm_engine import LLMEngine
 from jaxrunner.engine.outputs import RequestOutput
-from jaxrunner.interfaces import RequestOutputKind, SamplingParams
 
 
 class DataParallelEngines:
@@ -27,20 +26,35 @@ class DataParallelEngines:
         """A request id no replica has used."""
         return str(next(self._ids))
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> RequestOutput | None:
-        """Queue a prompt on the replica with the fewest unfinished prompts (ties: the first, so a batch
-        is dealt round-robin); returns an error output instead if the request is invalid."""
-        engine = min(self.engines, key=lambda e: e.num_unfinished_prompts)
-        return engine.add_request(request_id, prompt, params)
+    def assign(self, num_prompts: int) -> list[LLMEngine]:
+        """The replica for each of the next ``num_prompts`` prompts: the one with the fewest unfinished
+        prompts, counting those assigned before it (ties: the first, so a batch is dealt round-robin)."""
+        load = {id(e): e.num_unfinished_prompts for e in self.engines}
+        assigned = []
+        for _ in range(num_prompts):
+            engine = min(self.engines, key=lambda e: load[id(e)])
+            load[id(engine)] += 1
+            assigned.append(engine)
+        return assigned
+
+    def abort_request(self, request_ids: Sequence[str], internal: bool = False) -> None:
+        """Abort the prompts ``request_ids`` on whichever replica holds them (``LLMEngine.abort_request``)."""
+        for engine in self.engines:
+            engine.abort_request(request_ids, internal)
+
+    @property
+    def unfinished_prompt_ids(self) -> list[str]:
+        """The request ids of every replica's prompts added and not finished yet."""
+        return [request_id for e in self.engines for request_id in e.unfinished_prompt_ids]
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any replica has a request waiting or running."""
+        """Whether any replica has a request waiting or running (or an aborted prompt's output to return)."""
         return any(e.has_unfinished_requests() for e in self.engines)
 
-    def step(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         """One step of every replica with work, in turn.
 
         With async scheduling each replica dispatches its next step before it waits
         for its last one, so while one replica waits the others' devices are busy.
         """
-        return [output for e in self.engines if e.has_unfinished_requests() for output in e.step(output_kind)]
+        return [output for e in self.engines if e.has_unfinished_requests() for output in e.step()]

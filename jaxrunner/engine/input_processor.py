@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
 
+from jaxrunner.engine.prompts import ParsedPrompt
 from jaxrunner.engine.request import Request
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.engine.structured_outputs import StructuredOutputManager
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.runner.model_runner import ModelRunner
+
+
+@dataclasses.dataclass
+class PreparedPrompt:
+    """A prompt checked and made into its requests (one per sequence), not queued yet."""
+
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    requests: list[Request]
 
 
 class InputProcessor:
@@ -36,18 +46,27 @@ class InputProcessor:
         self.structured_outputs = structured_outputs
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
 
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """The prompt's token ids: a text encoded, or ids checked against the vocabulary."""
-        if isinstance(prompt, str):
+    def tokenize(self, prompt: ParsedPrompt) -> list[int]:
+        """The prompt's token ids: its text encoded, or its ids checked against the vocabulary."""
+        if prompt.token_ids is None:
             if self.tokenizer is None:
-                raise ValueError("This engine has no tokenizer; pass prompts as lists of token ids.")
-            return list(self.tokenizer.encode(prompt))
-        token_ids = [int(t) for t in prompt]
+                raise ValueError(
+                    "This engine has no tokenizer (skip_tokenizer_init=True): give the prompt as token ids."
+                )
+            return list(self.tokenizer.encode(prompt.text))
         vocab = self.runner.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt.token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
-        return token_ids
+            raise ValueError(
+                f"Prompt token ids {bad[:5]} are outside the model's vocabulary: ids must be in [0, {vocab})."
+            )
+        return prompt.token_ids
+
+    def discard(self, requests: list[Request]) -> None:
+        """Forget requests made and never queued (their grammars)."""
+        if self.structured_outputs is not None:
+            for request in requests:
+                self.structured_outputs.remove_request(request.request_id)
 
     def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams) -> list[Request]:
         """The ``n`` requests of a prompt, their grammars registered; ``ValueError`` if it cannot run."""

@@ -56,11 +56,20 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()
-        self._ref_counts = [0] * num_blocks
-        self._hashes: list[int | None] = [None] * num_blocks  # Set iff the block is in _cached.
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block free and uncached, no request holding any: the pool as new.
+
+        The engine resets it after a step that was cut short, once it dropped every
+        request: an allocation may have been left half done, and blocks registered
+        in the prefix cache by that step may never have been written.
+        """
+        self._ref_counts = [0] * self.num_blocks
+        self._hashes: list[int | None] = [None] * self.num_blocks  # Set iff the block is in _cached.
         self._cached: dict[int, int] = {}  # block hash -> block id
         # Unreferenced blocks, head = next to hand out (least recently freed).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, self.num_blocks))
         self._requests: dict[str, _RequestBlocks] = {}
 
     @staticmethod

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple, cast
 
 import jax
+import transformers
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
@@ -23,9 +26,11 @@ from jaxrunner.config import (
     SpeculativeConfig,
 )
 from jaxrunner.engine.data_parallel import DataParallelEngines
+from jaxrunner.engine.input_processor import PreparedPrompt
 from jaxrunner.engine.kv_cache_manager import KVCacheManager
 from jaxrunner.engine.llm_engine import LLMEngine
 from jaxrunner.engine.outputs import RequestOutput
+from jaxrunner.engine.prompts import ParsedPrompt, PromptType, as_prompt_list, parse_prompt
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.interfaces import RequestOutputKind, SamplingParams
 from jaxrunner.models.builtin import DEFAULT_DTYPES, is_builtin
@@ -35,8 +40,6 @@ from jaxrunner.sharding import make_mesh, replica_meshes
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
-
 # Limits sized for the backend: vLLM's H100/H200 offline defaults on a GPU;
 # on a CPU, small limits and power-of-two ladders keep start-up short.
 _GPU_LIMITS = dict(max_num_seqs=1024, max_num_batched_tokens=8192)
@@ -45,6 +48,14 @@ _CPU_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=128)
 
 def _power_of_two_ladder(limit: int) -> list[int]:
     return sorted({1 << i for i in range(limit.bit_length()) if 1 << i < limit} | {limit})
+
+
+class _NewRequest(NamedTuple):
+    """One prompt of a call, checked for its form and given its request id."""
+
+    request_id: str
+    prompt: ParsedPrompt
+    params: SamplingParams
 
 
 def _checkpoint_dtype(model_dir: str) -> str:
@@ -75,13 +86,32 @@ class LLM:
     ``CompilationConfig``), ``max_logprobs``,
     ``logprobs_mode`` (vLLM's: raw_logprobs, raw_logits, processed_logprobs,
     processed_logits), ``speculative_config`` (e.g. ``{"method": "ngram",
-    "num_speculative_tokens": 3}``) and ``seed``.
+    "num_speculative_tokens": 3}``) and ``seed``. ``skip_tokenizer_init=True``
+    loads no tokenizer (a checkpoint may have none): prompts must then be
+    token ids, outputs carry token ids and empty text, and no EOS token is known
+    (as vLLM's; set ``stop_token_ids`` to stop on one).
+
+    A prompt is text, token ids (Python or NumPy integers, or a 1-D integer
+    array) or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict (``jaxrunner.inputs``);
+    a call takes one prompt or a list of them. A prompt of the wrong form fails
+    the whole call before any of its prompts runs. One call asks for at most
+    ``max_sequences_per_call`` sequences (``SamplingParams.n`` summed over its
+    prompts): a typo such as ``n=10**9`` fails at once instead of exhausting
+    the host's memory; split larger batches across calls, or raise the limit.
+
+    Every call leaves the engine ready for the next whatever ends it: an
+    exception or KeyboardInterrupt (a notebook's interrupt) aborts the call's
+    prompts, as does closing a ``stream`` early; the next call returns what a
+    fresh engine would.
 
     ``tensor_parallel_size`` splits the model over that many devices;
     ``data_parallel_size`` runs that many independent engine replicas (each on
     ``tensor_parallel_size`` devices of its own) and spreads the prompts across
     them. ``llm_engine`` is the first replica.
     """
+
+    max_sequences_per_call: int = 1 << 20
+    """The most sequences one call may ask for (the sum of ``SamplingParams.n`` over its prompts)."""
 
     def __init__(
         self,
@@ -110,6 +140,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         seed: int = 0,
+        skip_tokenizer_init: bool = False,
     ):
         on_cpu = jax.default_backend() == "cpu"
         limits = _CPU_LIMITS if on_cpu else _GPU_LIMITS
@@ -131,10 +162,11 @@ class LLM:
         meshes = replica_meshes(make_mesh(parallel))
         if is_builtin(model):
             dtype = DEFAULT_DTYPES[model] if dtype == "auto" else dtype
-            self.tokenizer = build_byte_tokenizer()
         else:
             dtype = _checkpoint_dtype(model) if dtype == "auto" else dtype
-            self.tokenizer = load_tokenizer(model)
+        self.tokenizer = None
+        if not skip_tokenizer_init:
+            self.tokenizer = build_byte_tokenizer() if is_builtin(model) else load_tokenizer(model)
         compilation = CompilationConfig(
             token_buckets=token_buckets, request_buckets=request_buckets, compiler_options=compiler_options
         )
@@ -162,6 +194,8 @@ class LLM:
         self.replicas = DataParallelEngines([self._make_engine(mesh, i) for i, mesh in enumerate(meshes)])
         self.llm_engine = self.replicas.engines[0]
         self.kv_cache_manager = self.llm_engine.scheduler.kv_cache_manager
+        # The outputs waiting for each running call, by the request ids of its prompts.
+        self._inboxes: dict[str, collections.deque[RequestOutput]] = {}
         if not enable_chunked_prefill and self.llm_engine.max_model_len > max_num_batched_tokens:
             logger.warning(
                 "Chunked prefill is off: prompts longer than max_num_batched_tokens (%d) can never be scheduled.",
@@ -182,75 +216,57 @@ class LLM:
         scheduler = Scheduler(config.scheduler_config, manager, runner.max_model_len, lookahead)
         return LLMEngine(runner, scheduler, self.tokenizer)
 
-    def get_tokenizer(self):
-        """The tokenizer prompts are encoded and outputs decoded with."""
+    def get_tokenizer(self) -> transformers.PreTrainedTokenizerBase:
+        """The tokenizer prompts are encoded and outputs decoded with; ValueError with
+        ``skip_tokenizer_init`` (as vLLM's)."""
+        if self.tokenizer is None:
+            raise ValueError("This LLM has no tokenizer: it was made with skip_tokenizer_init=True.")
         return self.tokenizer
-
-    def _add(self, prompts: Prompt | Sequence[Prompt], sampling_params) -> tuple[list[str], dict[str, RequestOutput]]:
-        # One prompt (text, or token ids: ints) or several; an int first element does not narrow the type.
-        batch: Sequence[Prompt]
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            batch = [cast(Prompt, prompts)]
-        else:
-            batch = cast(Sequence[Prompt], prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if not isinstance(sampling_params, (list, tuple)):
-            sampling_params = [sampling_params] * len(batch)
-        if len(sampling_params) != len(batch):
-            raise ValueError(
-                f"Got {len(sampling_params)} sampling params for {len(batch)} prompts; give one or one each."
-            )
-        replicas = self.replicas
-        ids, refused = [], {}
-        for prompt, params in zip(batch, sampling_params):
-            request_id = replicas.next_request_id()
-            ids.append(request_id)
-            error = replicas.add_request(request_id, prompt, params)
-            if error is not None:
-                refused[request_id] = error
-        return ids, refused
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: object | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in prompt order.
+        """Generate for every prompt; outputs in prompt order.
 
-        A prompt the engine refuses (empty, too long, bad parameters) gets a
-        finished output whose ``error`` says why; the others still run.
-        ``lora_request`` (vLLM's) is refused: LoRA adapters are not supported yet.
+        A prompt the engine refuses (empty, too long, token ids outside the
+        vocabulary, bad parameters) gets a finished output whose ``error`` says
+        why; the others still run. ``lora_request`` (vLLM's) is refused: LoRA
+        adapters are not supported yet.
         """
-        _refuse_lora(lora_request)
-        ids, finished = self._add(prompts, sampling_params)
-        pending = len(ids) - len(finished)
-        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, initial=len(finished)) as bar:
-            while pending:
-                for output in self.replicas.step(RequestOutputKind.FINAL_ONLY):
-                    if output.finished:
-                        finished[output.request_id] = output
-                        pending -= 1
-                        bar.update(1)
-        return [finished[i] for i in ids]
+        requests = self._new_requests(prompts, sampling_params, lora_request)
+        finished: dict[str, RequestOutput] = {}
+        with (
+            tqdm(total=len(requests), desc="Generating", disable=not use_tqdm) as bar,
+            contextlib.closing(self._run(requests, RequestOutputKind.FINAL_ONLY)) as outputs,
+        ):
+            for output in outputs:
+                finished[output.request_id] = output
+                bar.update(1)
+        return [finished[r.request_id] for r in requests]
 
     def stream(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: object | None = None,
-    ) -> Iterator[RequestOutput]:
-        """Yield outputs as tokens arrive; each carries only the new text and token ids."""
-        _refuse_lora(lora_request)
-        ids, refused = self._add(prompts, sampling_params)
-        yield from refused.values()
-        pending = len(ids) - len(refused)
-        while pending:
-            for output in self.replicas.step(RequestOutputKind.DELTA):
-                pending -= output.finished
-                yield output
+    ) -> Generator[RequestOutput, None, None]:
+        """Yield outputs as tokens arrive; each carries only the new text and token ids.
+
+        The prompts are checked now and run as the iterator is read. Closing it
+        early (``break``, ``close()``, dropping it) aborts the prompts it has not
+        finished; ``llm_engine.abort_request`` on one of its prompts ends that
+        prompt with a last output whose finish reason is "abort".
+        """
+        requests = self._new_requests(prompts, sampling_params, lora_request)
+        return self._stream(requests)
+
+    def _stream(self, requests: list[_NewRequest]) -> Generator[RequestOutput, None, None]:
+        with contextlib.closing(self._run(requests, RequestOutputKind.DELTA)) as outputs:
+            yield from outputs
 
     def chat(
         self,
@@ -262,6 +278,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to conversations, rendered by the tokenizer's chat template."""
         _refuse_lora(lora_request)
+        if self.tokenizer is None:
+            raise ValueError(
+                "LLM.chat renders conversations with the tokenizer's chat template, and this LLM has no "
+                "tokenizer (skip_tokenizer_init=True): render them yourself and generate from token ids."
+            )
         # One conversation (a list of messages) or several; a dict first element does not narrow the type.
         if messages and isinstance(messages[0], dict):
             conversations = [cast(list[dict[str, str]], messages)]
@@ -272,10 +293,118 @@ class LLM:
             for c in conversations
         ]
         # tokenize=True: token ids, in a BatchEncoding (a Mapping) where the tokenizer returns a dict.
-        prompts: list[Prompt] = [
+        prompts: list[PromptType] = [
             list(p["input_ids"]) if isinstance(p, Mapping) else cast(list[int], list(p)) for p in encoded
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------ requests
+
+    def _new_requests(
+        self,
+        prompts: object,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        lora_request: object | None,
+    ) -> list[_NewRequest]:
+        """The call's prompts checked for their form, with their parameters and request ids; raises
+        (naming the prompt) before any prompt reaches the engine if one cannot be taken."""
+        _refuse_lora(lora_request)
+        parsed = [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(as_prompt_list(prompts))]
+        if self.tokenizer is None:
+            for i, prompt in enumerate(parsed):
+                if prompt.token_ids is None:
+                    raise ValueError(
+                        f"prompts[{i}] is text, but this LLM has no tokenizer (skip_tokenizer_init=True): "
+                        "pass token ids ({'prompt_token_ids': [...]}) or drop skip_tokenizer_init."
+                    )
+        params = self._params_per_prompt(sampling_params, len(parsed))
+        num_sequences = sum(p.n for p in params if isinstance(p, SamplingParams) and isinstance(p.n, int))
+        if num_sequences > self.max_sequences_per_call:
+            raise ValueError(
+                f"This call asks for {num_sequences} sequences (SamplingParams.n summed over its prompts), more "
+                f"than LLM.max_sequences_per_call ({self.max_sequences_per_call}): split the prompts across "
+                "calls, or raise llm.max_sequences_per_call."
+            )
+        return [_NewRequest(self.replicas.next_request_id(), p, sp) for p, sp in zip(parsed, params)]
+
+    @staticmethod
+    def _params_per_prompt(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        """One ``SamplingParams`` for each prompt: the given one (the defaults if None) for all, or one each."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, (list, tuple)):
+            return [cast(SamplingParams, sampling_params)] * num_prompts
+        if len(sampling_params) != num_prompts:
+            raise ValueError(
+                f"Got {len(sampling_params)} sampling params for {num_prompts} prompts; give one or one each."
+            )
+        return list(sampling_params)
+
+    def _run(self, requests: list[_NewRequest], output_kind: RequestOutputKind) -> Generator[RequestOutput, None, None]:
+        """Queue the call's prompts, then step the engines until every one has finished, yielding its
+        outputs as they come (refused prompts' error outputs first).
+
+        However it ends (done, an exception, KeyboardInterrupt, closed early), the
+        call's unfinished prompts are aborted and an idle engine holds nothing. Prompts
+        that no running call waits for (left by a call that could not clean up, or
+        added to ``llm_engine`` directly) are aborted first.
+        """
+        ids = [r.request_id for r in requests]
+        inbox: collections.deque[RequestOutput] = collections.deque()
+        try:
+            self._abort_orphans()
+            for request_id in ids:
+                self._inboxes[request_id] = inbox
+            inbox.extend(self._add(requests, output_kind))
+            pending = len(ids)
+            while pending:
+                if not inbox:
+                    self._step()
+                    continue
+                output = inbox.popleft()
+                pending -= output.finished
+                yield output
+        finally:
+            for request_id in ids:
+                self._inboxes.pop(request_id, None)
+            self.replicas.abort_request(ids, internal=True)
+
+    def _abort_orphans(self) -> None:
+        orphans = [i for i in self.replicas.unfinished_prompt_ids if i not in self._inboxes]
+        if orphans:
+            logger.warning("Aborting %d prompts that no call waits for.", len(orphans))
+            self.replicas.abort_request(orphans, internal=True)
+
+    def _add(self, requests: list[_NewRequest], output_kind: RequestOutputKind) -> list[RequestOutput]:
+        """Queue the call's prompts, all or none: every prompt is checked and made into its requests
+        before the first is queued. Returns the error outputs of the prompts the engine refused."""
+        prepared: list[tuple[LLMEngine, PreparedPrompt]] = []
+        refused: list[RequestOutput] = []
+        try:
+            for request, engine in zip(requests, self.replicas.assign(len(requests))):
+                result = engine.prepare_request(*request)
+                if isinstance(result, RequestOutput):
+                    refused.append(result)
+                else:
+                    prepared.append((engine, result))
+            for engine, prompt in prepared:
+                engine.add_prepared(prompt, output_kind)
+        except BaseException:
+            for engine, prompt in prepared:  # the ones queued already are aborted by the caller
+                engine.discard(prompt)
+            raise
+        return refused
+
+    def _step(self) -> None:
+        """One step of the engines; each output goes to the inbox of the call that added its prompt."""
+        if not self.replicas.has_unfinished_requests():
+            raise RuntimeError("A call's prompts left the engine without a final output (aborted with internal=True?).")
+        for output in self.replicas.step():
+            inbox = self._inboxes.get(output.request_id)
+            if inbox is not None:
+                inbox.append(output)
 
 
 def _refuse_lora(lora_request: object | None) -> None:

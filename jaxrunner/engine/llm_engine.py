@@ -5,19 +5,26 @@ output of its own if it could never run) into the scheduler; each step then
 schedules, dispatches the runner, and hands the sampled tokens to the
 scheduler and to the ``OutputProcessor``, which turns them into
 ``RequestOutput``s.
+
+Whatever cuts a step short (an exception, KeyboardInterrupt included, raised
+anywhere inside it) leaves the engine consistent: it aborts every prompt,
+drops the step in flight, frees every block and slot and re-creates the
+device buffers the runner lost (``_recover``), so the next call runs as on a
+fresh engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator
 
-from jaxrunner.engine.input_processor import InputProcessor
+from jaxrunner.engine.input_processor import InputProcessor, PreparedPrompt
 from jaxrunner.engine.ngram_proposer import NgramProposer
 from jaxrunner.engine.output_processor import OutputProcessor, refused_output
 from jaxrunner.engine.outputs import RequestOutput
-from jaxrunner.engine.request import RequestStatus
+from jaxrunner.engine.prompts import ParsedPrompt, PromptType, parse_prompt
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.engine.structured_outputs import StructuredOutputManager
 from jaxrunner.interfaces import (
@@ -28,6 +35,7 @@ from jaxrunner.interfaces import (
     SchedulerOutput,
 )
 from jaxrunner.runner.model_runner import ModelRunner
+from jaxrunner.runner.step_recovery import reset_runner
 
 
 @dataclasses.dataclass
@@ -103,71 +111,192 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         self._last_dispatch_decodes_only = False
         self.step_times = StepTimes()
+        # Final outputs of prompts aborted by abort_request, for the next step() to return.
+        self._aborted_outputs: list[RequestOutput] = []
+        # Inside a change of state (_changing_state); a change cut short where no handler ran leaves
+        # _needs_recovery set, and the next change recovers first.
+        self._busy = False
+        self._needs_recovery = False
+        # Aborts asked for while a change ran (a stream's finalizer run by the garbage collector).
+        self._deferred_aborts: list[tuple[list[str], bool]] = []
 
     # ------------------------------------------------------------- requests
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> RequestOutput | None:
-        """Queue a prompt; returns a finished error output instead if the request is invalid."""
-        prompt_text = prompt if isinstance(prompt, str) else None
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> RequestOutput | None:
+        """Queue a prompt (text, token ids, a TextPrompt or TokensPrompt dict); returns a finished error
+        output instead if the request is invalid. ``output_kind`` (vLLM's ``SamplingParams.output_kind``)
+        says which of its outputs ``step`` returns: CUMULATIVE the whole text so far, DELTA only what is
+        new since the last one (streaming), FINAL_ONLY only the finished prompt's."""
+        prepared = self.prepare_request(request_id, parse_prompt(prompt), params)
+        if isinstance(prepared, RequestOutput):
+            return prepared
+        self.add_prepared(prepared, output_kind)
+        return None
+
+    def prepare_request(
+        self, request_id: str, prompt: ParsedPrompt, params: SamplingParams
+    ) -> PreparedPrompt | RequestOutput:
+        """A prompt checked and made into its requests without queueing it, or the finished error output
+        of a refused one. Its grammars are registered already: ``add_prepared`` or ``discard`` it."""
         token_ids: list[int] = []
         try:
             token_ids = self.input_processor.tokenize(prompt)
             requests = self.input_processor.make_requests(request_id, token_ids, params)
         except ValueError as error:
-            return refused_output(request_id, prompt_text, token_ids, str(error))
-        self.output_processor.add_prompt(request_id, prompt_text, token_ids, requests)
-        for request in requests:
-            self.scheduler.add_request(request)
-        return None
+            return refused_output(request_id, prompt.text, token_ids, str(error))
+        return PreparedPrompt(request_id, prompt.text, token_ids, requests)
 
-    def abort_request(self, request_ids: Sequence[str]) -> None:
-        """Finish the prompts ``request_ids`` now (status aborted); unknown ids are ignored."""
+    def discard(self, prepared: PreparedPrompt) -> None:
+        """Forget a prepared prompt that will not be added."""
+        self.input_processor.discard(prepared.requests)
+
+    def add_prepared(self, prepared: PreparedPrompt, output_kind: RequestOutputKind) -> None:
+        """Queue a prepared prompt; an add cut short is undone."""
+        self._recover_if_needed()
+        try:
+            self.output_processor.add_prompt(
+                prepared.request_id, prepared.prompt, prepared.token_ids, prepared.requests, output_kind
+            )
+            for request in prepared.requests:
+                self.scheduler.add_request(request)
+        except BaseException:
+            self.abort_request([prepared.request_id], internal=True)
+            raise
+
+    def abort_request(self, request_ids: str | Iterable[str], internal: bool = False) -> None:
+        """Finish prompts now, status aborted, freeing their blocks; unknown or finished ids are ignored.
+
+        As vLLM's: the next ``step()`` returns each aborted prompt's final output, finish
+        reason "abort" on its unfinished sequences, so that whoever streams it sees it
+        end; ``internal`` leaves that out (no one listens: a stream closed, a call that
+        failed). An engine left with no request frees the runner's slots at once. Asked
+        while a step runs (by a finalizer), the abort waits for the step's end.
+        """
+        request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if self._busy:
+            self._deferred_aborts.append((request_ids, internal))
+            return
+        with self._changing_state():
+            self._abort(request_ids, internal)
+
+    def _abort(self, request_ids: list[str], internal: bool) -> None:
         for request_id in request_ids:
-            self.scheduler.finish_requests(self.output_processor.abort(request_id), RequestStatus.FINISHED_ABORTED)
+            output = self.output_processor.abort(request_id, final_output=not internal)
+            if output is not None:
+                self._aborted_outputs.append(output)
+        if internal:
+            dropped = set(request_ids)
+            self._aborted_outputs = [o for o in self._aborted_outputs if o.request_id not in dropped]
+        if not self.scheduler.has_unfinished_requests():
+            self._settle()
+
+    def _settle(self) -> None:
+        """With no request left: drop the step in flight (its tokens are all of finished requests) and
+        free the runner's slots of the finished ones now, by a step that schedules nothing."""
+        self._in_flight = None
+        self.runner.execute_model(self.scheduler.schedule())
 
     def has_unfinished_requests(self) -> bool:
-        """Whether any request is waiting or running."""
-        return self.scheduler.has_unfinished_requests()
+        """Whether any request is waiting or running, or an aborted prompt's final output is still
+        to be returned by ``step()``."""
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted_outputs)
 
     @property
     def num_unfinished_prompts(self) -> int:
         """Prompts added and not finished yet (the load data parallelism balances)."""
         return self.output_processor.num_prompts
 
+    @property
+    def unfinished_prompt_ids(self) -> list[str]:
+        """The request ids of the prompts added and not finished yet."""
+        return self.output_processor.prompt_ids
+
+    # ------------------------------------------------------- consistency
+
+    @contextlib.contextmanager
+    def _changing_state(self) -> Iterator[None]:
+        """A change of the engine's state that must not be left half done. If anything escapes it,
+        KeyboardInterrupt included, the engine recovers before it propagates; a change cut short
+        where no handler ran (between two bytecodes of this manager) is recovered from by the next.
+        Aborts asked for meanwhile are applied at its end."""
+        self._recover_if_needed()
+        self._needs_recovery = self._busy = True
+        try:
+            yield
+        except BaseException:
+            self._recover()
+            raise
+        finally:
+            self._busy = False
+        self._needs_recovery = False
+        while self._deferred_aborts:
+            request_ids, internal = self._deferred_aborts.pop(0)
+            self.abort_request(request_ids, internal)
+
+    def _recover_if_needed(self) -> None:
+        """Recover from a change cut short where no handler ran (called outside any change)."""
+        if self._needs_recovery:
+            self._recover()
+            self._busy = False
+
+    def _recover(self) -> None:
+        """Consistent again after a change was cut short: every prompt aborted (their final outputs
+        queued for ``step``), the step in flight dropped, the scheduler, the block pool (prefix cache
+        included: that step's blocks may never have been written) and the runner's requests reset,
+        and the device buffers the runner lost re-created."""
+        self._needs_recovery = True
+        self._in_flight = None
+        self._deferred_aborts.clear()
+        self._aborted_outputs += self.output_processor.abort_all()
+        self.scheduler.reset()
+        self.scheduler.kv_cache_manager.reset()
+        reset_runner(self.runner)
+        self._needs_recovery = False
+
     # ----------------------------------------------------------------- step
 
-    def step(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> list[RequestOutput]:
-        """One scheduler + runner step; outputs of the prompts that advanced or finished.
-
-        ``output_kind`` DELTA gives each output only the text and tokens new since
-        the last one (streaming), FINAL_ONLY only finished prompts' outputs (no
-        text is built for the others), CUMULATIVE the whole text so far.
+    def step(self) -> list[RequestOutput]:
+        """One scheduler + runner step; outputs of the prompts that advanced or finished, each as its
+        output kind asks (``add_request``), after the final outputs of prompts aborted since the last.
 
         With async scheduling the step schedules and dispatches step k+1, then
         processes step k's tokens while the device runs k+1, so the outputs it
         returns are one step behind the dispatch. It falls back to one step at a
         time while a request needs its last tokens before it can be scheduled
-        (speculative drafts, a grammar's next bitmask).
+        (speculative drafts, a grammar's next bitmask). A step cut short by an
+        exception leaves every prompt aborted and the engine ready (``_recover``).
         """
+        with self._changing_state():
+            outputs = self._step()
+            aborted, self._aborted_outputs = self._aborted_outputs, []
+        return aborted + outputs
+
+    def _step(self) -> list[RequestOutput]:
         start, wait_before, call_before = time.perf_counter(), self.runner.device_wait_s, self.runner.program_call_s
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and not self._can_overlap():
-            outputs += self._process(*self._in_flight, output_kind)
+            outputs += self._process(*self._in_flight)
             self._in_flight = None
         with self.spans("schedule"):
             scheduler_output = self.scheduler.schedule()
         runner_output = self._dispatch(scheduler_output)
         if self._in_flight is not None:
-            outputs += self._process(*self._in_flight, output_kind)
+            outputs += self._process(*self._in_flight)
             self._in_flight = None
         if isinstance(runner_output, AsyncModelRunnerOutput) and self._can_overlap():
             self._in_flight = (scheduler_output, runner_output)
         else:
-            outputs += self._process(scheduler_output, runner_output, output_kind)
+            outputs += self._process(scheduler_output, runner_output)
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             # Every request has finished: the step in flight only holds tokens of finished
             # requests. Settle it now, so that nothing of it reaches requests added later.
-            outputs += self._process(*self._in_flight, output_kind)
+            outputs += self._process(*self._in_flight)
             self._in_flight = None
         self._record_times(scheduler_output, start, wait_before, call_before)
         return outputs
@@ -192,10 +321,7 @@ class LLMEngine:
         return runner_output if runner_output is not None else ModelRunnerOutput.make_empty()
 
     def _process(
-        self,
-        scheduler_output: SchedulerOutput,
-        runner_output: ModelRunnerOutput | AsyncModelRunnerOutput,
-        output_kind: RequestOutputKind,
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | AsyncModelRunnerOutput
     ) -> list[RequestOutput]:
         """Apply one step's tokens: the scheduler's update, then the outputs; then the next drafts."""
         if isinstance(runner_output, AsyncModelRunnerOutput):
@@ -203,7 +329,7 @@ class LLMEngine:
         with self.spans("update_from_output"):
             updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         with self.spans("process_outputs"):
-            outputs = self.output_processor.process(runner_output, updates, output_kind)
+            outputs = self.output_processor.process(runner_output, updates)
         if self.num_spec:
             with self.spans("propose_drafts"):
                 self._propose_drafts()

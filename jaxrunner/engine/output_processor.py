@@ -10,6 +10,7 @@ there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from jaxrunner.engine.detokenizer import IncrementalDetokenizer
@@ -49,6 +50,7 @@ class _Prompt:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[_Sequence]
+    output_kind: RequestOutputKind
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
@@ -73,8 +75,23 @@ class OutputProcessor:
         """Prompts added and not finished yet."""
         return len(self._prompts)
 
-    def add_prompt(self, request_id: str, prompt: str | None, token_ids: list[int], requests: list[Request]) -> None:
-        """Track a prompt's sequences (``requests``, one per sequence) until they finish."""
+    @property
+    def prompt_ids(self) -> list[str]:
+        """The request ids of the prompts added and not finished yet."""
+        return list(self._prompts)
+
+    def add_prompt(
+        self,
+        request_id: str,
+        prompt: str | None,
+        token_ids: list[int],
+        requests: list[Request],
+        output_kind: RequestOutputKind,
+    ) -> None:
+        """Track a prompt's sequences (``requests``, one per sequence) until they finish; ``output_kind``
+        says which of its outputs ``process`` returns (vLLM's ``SamplingParams.output_kind``): DELTA only
+        what is new since the last one (streaming), FINAL_ONLY only the finished prompt's, CUMULATIVE
+        everything so far."""
         params = requests[0].sampling_params
         sequences = [
             _Sequence(
@@ -85,7 +102,7 @@ class OutputProcessor:
         prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         if params.prompt_logprobs is not None:
             prompt_logprobs = [None for _ in token_ids]
-        entry = _Prompt(request_id, prompt, token_ids, sequences, prompt_logprobs)
+        entry = _Prompt(request_id, prompt, token_ids, sequences, output_kind, prompt_logprobs)
         self._prompts[request_id] = entry
         for seq in sequences:
             self._by_request_id[seq.request.request_id] = (entry, seq)
@@ -95,25 +112,38 @@ class OutputProcessor:
             return None
         return IncrementalDetokenizer(self.tokenizer, token_ids, stop=list(params.stop or ()))
 
-    def abort(self, request_id: str) -> list[str]:
-        """Stop tracking prompt ``request_id``; returns its sequences' request ids ([] if unknown)."""
+    def abort(self, request_id: str, final_output: bool) -> RequestOutput | None:
+        """Finish prompt ``request_id``'s unfinished sequences as aborted (the scheduler frees their
+        blocks) and stop tracking it; returns its final output if ``final_output`` (finish reason
+        "abort" on those sequences, as vLLM's), else None. Unknown prompts are ignored."""
         entry = self._prompts.get(request_id)
         if entry is None:
-            return []
+            return None
+        self.scheduler.finish_requests([s.request.request_id for s in entry.sequences], RequestStatus.FINISHED_ABORTED)
+        output = self._make_output(entry) if final_output else None
         self._release(entry)
-        return [s.request.request_id for s in entry.sequences]
+        return output
+
+    def abort_all(self) -> list[RequestOutput]:
+        """After a step that was cut short: every prompt's unfinished sequences marked aborted (the engine
+        resets the scheduler itself), nothing tracked any more; returns the prompts' final outputs. An
+        output that cannot be built from a sequence left half updated is left out."""
+        outputs = []
+        for entry in list(self._prompts.values()):
+            for seq in entry.sequences:
+                if not seq.request.is_finished:
+                    seq.request.finish(RequestStatus.FINISHED_ABORTED)
+            with contextlib.suppress(Exception):
+                outputs.append(self._make_output(entry))
+            self._release(entry)
+        return outputs
 
     def process(
-        self,
-        runner_output: ModelRunnerOutput,
-        updates: list[tuple[Request, list[int]]],
-        output_kind: RequestOutputKind,
+        self, runner_output: ModelRunnerOutput, updates: list[tuple[Request, list[int]]]
     ) -> list[RequestOutput]:
         """Apply one step's new tokens (``Scheduler.update_from_output``'s ``updates``): logprobs,
-        grammars, text and stop strings; the outputs of the prompts they advanced or finished.
-
-        ``output_kind`` DELTA gives each output only what is new since the last one,
-        FINAL_ONLY only finished prompts' outputs, CUMULATIVE everything so far.
+        grammars, text and stop strings; the outputs of the prompts they advanced or finished, each
+        as its output kind asks (``add_prompt``).
         """
         touched: dict[str, _Prompt] = {}
         ending: set[str] = set()  # prompts with a sequence that finished in this update
@@ -137,11 +167,10 @@ class OutputProcessor:
             if finished:
                 ending.add(entry.request_id)
         outputs = []
-        final_only, delta = output_kind == RequestOutputKind.FINAL_ONLY, output_kind == RequestOutputKind.DELTA
         for entry in touched.values():
             finished = entry.request_id in ending and entry.finished
-            if finished or not final_only:
-                outputs.append(self._make_output(entry, delta))
+            if finished or entry.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(entry))
             if finished:
                 self._release(entry)
         return outputs
@@ -217,13 +246,15 @@ class OutputProcessor:
     # -------------------------------------------------------------- outputs
 
     def _release(self, entry: _Prompt) -> None:
-        del self._prompts[entry.request_id]
+        """Stop tracking a prompt; what an add cut short did not register yet is skipped."""
+        self._prompts.pop(entry.request_id, None)
         for seq in entry.sequences:
-            del self._by_request_id[seq.request.request_id]
+            self._by_request_id.pop(seq.request.request_id, None)
             if self.structured_outputs is not None:
                 self.structured_outputs.remove_request(seq.request.request_id)
 
-    def _make_output(self, entry: _Prompt, delta: bool) -> RequestOutput:
+    def _make_output(self, entry: _Prompt) -> RequestOutput:
+        delta = entry.output_kind == RequestOutputKind.DELTA
         completions = []
         for index, seq in enumerate(entry.sequences):
             request = seq.request

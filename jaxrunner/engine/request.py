@@ -68,6 +68,11 @@ class Request:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
 
+    def finish(self, status: RequestStatus) -> None:
+        """End the request with ``status`` (a finished one), now."""
+        self.status = status
+        self.finished_time = time.monotonic()
+
     @property
     def num_tokens(self) -> int:
         """Prompt and output tokens known on the host."""

@@ -110,11 +110,18 @@ class Scheduler:
             self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        request.status = status
-        request.finished_time = time.monotonic()
+        request.finish(status)
         self.kv_cache_manager.free(request.request_id)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+    def reset(self) -> None:
+        """Forget every request and what the runner was still to be told, after a step that was cut
+        short: the engine aborted the requests and drops them from the runner itself."""
+        self.requests.clear()
+        self.waiting.clear()
+        self.running.clear()
+        self._finished_req_ids.clear()
 
     @property
     def num_unfinished(self) -> int:

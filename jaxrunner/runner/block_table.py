@@ -39,6 +39,11 @@ class BlockTables:
         """Forget the slot's blocks (its request finished or was preempted)."""
         self.num_blocks[slot] = 0
 
+    def reset(self) -> None:
+        """No slot holding blocks and no append staged: the runner dropped all its requests."""
+        self.num_blocks[:] = 0
+        self._staged = []
+
     @staticmethod
     def append_capacity(num_tokens: int, num_reqs: int, block_size: int) -> int:
         """Most blocks a step of ``num_tokens`` tokens over ``num_reqs`` requests can append."""

@@ -184,21 +184,8 @@ class ModelRunner:
                 self.vocab_size,
             )
             self.block_tables = BlockTables(self.max_num_reqs, self.max_blocks_per_req, self.block_size)
-            zeros = functools.partial(
-                DeviceState.zeros,
-                self.max_num_reqs,
-                self.max_model_len,
-                self.max_blocks_per_req,
-                self.config.sampler_config,
-                self.vocab_size,
-                self.num_spec,
-            )
             self.drafter = self._load_drafter(draft_model, kv_dtype)
-            self.device_state = dataclasses.replace(
-                jax.jit(zeros, out_shardings=self.replicated)(),  # made in place on the mesh
-                kv_scales=self._initial_kv_scales(self.params),
-                draft_kv_scales=self._initial_kv_scales(None if self.drafter is None else self.drafter.params),
-            )
+            self.device_state = self.fresh_device_state()
             draft_params = None if self.drafter is None else self._place(self.drafter.params)
             self._draft_leaves, draft_params_treedef = jax.tree.flatten(draft_params)
             self.draft_kv_caches: KVCaches = []
@@ -225,6 +212,23 @@ class ModelRunner:
             # Per-request state of the features, beside the slots and block tables.
             self.request_features: list[RequestFeatureState] = [self.prompt_logprobs]
         logger.info("Model loaded in %.1f s", self.spans.seconds["load_model"])
+
+    def fresh_device_state(self) -> DeviceState:
+        """The device state with every slot unused and the KV cache scales as loaded (or pending)."""
+        zeros = functools.partial(
+            DeviceState.zeros,
+            self.max_num_reqs,
+            self.max_model_len,
+            self.max_blocks_per_req,
+            self.config.sampler_config,
+            self.vocab_size,
+            self.num_spec,
+        )
+        return dataclasses.replace(
+            jax.jit(zeros, out_shardings=self.replicated)(),  # made in place on the mesh
+            kv_scales=self._initial_kv_scales(self.params),
+            draft_kv_scales=self._initial_kv_scales(None if self.drafter is None else self.drafter.params),
+        )
 
     def _load_drafter(self, draft_model: CausalLM | None, kv_dtype) -> Drafter | None:
         """The on-device proposer the speculative config names, if any; its KV cache is the target's dtype."""

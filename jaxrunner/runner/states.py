@@ -183,6 +183,12 @@ class RequestState:
             return
         self._free_slots.append(slot)
 
+    def reset(self) -> None:
+        """Every slot free and no row staged: the runner dropped all its requests."""
+        self.req_id_to_index.clear()
+        self._free_slots = list(range(self.max_num_reqs - 1, -1, -1))
+        self._staged_rows = []
+
     def take_staged_rows(self, num_rows: int) -> np.ndarray | None:
         """The staged rows padded to ``num_rows`` (padding slot -1), or None if none are staged."""
         if not self._staged_rows:
