@@ -201,3 +201,14 @@ def test_reader_matches_the_safetensors_library(dtype, tmp_path):
     assert ours.keys() == tensors.keys()
     for name, ref in tensors.items():
         np.testing.assert_array_equal(ours[name].astype(np.float64), ref.to(torch.float64).numpy())
+
+
+def test_llm_names_a_broken_config_and_an_unknown_model_before_building_anything(single):
+    from jaxrunner import LLM
+
+    config_path = single / "config.json"
+    config_path.write_text("{")
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(config_path))}: not valid JSON"):
+        LLM(str(single))
+    with pytest.raises(ValueError, match=r"neither a built-in model.*tiny-llama"):
+        LLM("tiny-lama")

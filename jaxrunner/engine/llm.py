@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
@@ -33,7 +32,8 @@ from jaxrunner.engine.outputs import RequestOutput
 from jaxrunner.engine.prompts import ParsedPrompt, PromptType, as_prompt_list, parse_prompt
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.interfaces import RequestOutputKind, SamplingParams
-from jaxrunner.models.builtin import DEFAULT_DTYPES, is_builtin
+from jaxrunner.models.builtin import DEFAULT_DTYPES, check_model_name, is_builtin
+from jaxrunner.models.safetensors_io import CONFIG_FILE, read_json_object
 from jaxrunner.models.tokenizer import build_byte_tokenizer, load_tokenizer
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.sharding import make_mesh, replica_meshes
@@ -60,7 +60,7 @@ class _NewRequest(NamedTuple):
 
 def _checkpoint_dtype(model_dir: str) -> str:
     """The dtype ``config.json`` names, if it is one we run, else bfloat16."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = read_json_object(Path(model_dir) / CONFIG_FILE)
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
     return dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16"
 
@@ -142,6 +142,7 @@ class LLM:
         seed: int = 0,
         skip_tokenizer_init: bool = False,
     ):
+        check_model_name(model)  # before anything is built: a misspelled name or a hub id gets the built-in names
         on_cpu = jax.default_backend() == "cpu"
         limits = _CPU_LIMITS if on_cpu else _GPU_LIMITS
         # None takes the device's default; 0 or less is refused (by SchedulerConfig, first), not replaced.
