@@ -95,7 +95,7 @@ def prompts() -> list[list[int]]:
     return [rng.integers(3, 259, n).tolist() for n in (4, 19, 9, 30, 2)]
 
 
-@pytest.mark.parametrize("async_scheduling", [False])
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_an_agreeing_eagle_head_is_accepted_and_changes_no_token(cache_dir, checkpoints, async_scheduling):
     target, head = checkpoints
     plain = make_llm(cache_dir, target, async_scheduling=False)
@@ -106,6 +106,7 @@ def test_an_agreeing_eagle_head_is_accepted_and_changes_no_token(cache_dir, chec
         async_scheduling=async_scheduling,
         speculative_config={"method": "eagle", "num_speculative_tokens": NUM_SPEC, "model": head},
     )
+    assert eagle.llm_engine.runner.use_async_scheduling == async_scheduling  # the head drafts on the device
     got = [o.outputs[0].token_ids for o in eagle.generate(prompts(), GREEDY, use_tqdm=False)]
     assert got == expected
     stats = eagle.llm_engine.scheduler.spec_stats

@@ -214,14 +214,17 @@ class LLMEngine:
 
         N-gram drafts are proposed here; a draft model leaves its drafts on the
         device, so the scheduler gets placeholders that only carry their number.
+        Under async scheduling a step may be in flight: its tokens (placeholders)
+        count as known, and the drafts are for the step after it.
         """
         for request in self.scheduler.running:
-            if request.num_computed_tokens != request.num_tokens - 1:
+            pending = request.num_output_placeholders
+            if request.num_computed_tokens != request.num_tokens + pending - 1:
                 continue  # still prefilling
             params = request.sampling_params
-            left = self.max_model_len - request.num_tokens
+            left = self.max_model_len - request.num_tokens - pending
             if params.max_tokens is not None:
-                left = min(left, params.max_tokens - len(request.output_token_ids))
+                left = min(left, params.max_tokens - len(request.output_token_ids) - pending)
             # The step emits drafts + 1 tokens: never more than the request may still produce.
             room = max(left - 1, 0)
             if self.proposer is None:
