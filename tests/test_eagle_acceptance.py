@@ -17,6 +17,7 @@ import pytest
 import transformers
 from flax import nnx
 from safetensors.numpy import save_file
+from test_spec_decode import assert_same_logprobs
 
 from jaxrunner.engine.llm import LLM
 from jaxrunner.interfaces import SamplingParams
@@ -28,7 +29,7 @@ from jaxrunner.models.tokenizer import build_byte_tokenizer
 
 TARGET = BUILTIN_MODELS["tiny-llama"]
 NUM_SPEC = 3
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
 
 
 def _hf_config(config: TransformerConfig, **overrides) -> transformers.LlamaConfig:
@@ -99,7 +100,7 @@ def prompts() -> list[list[int]]:
 def test_an_agreeing_eagle_head_is_accepted_and_changes_no_token(cache_dir, checkpoints, async_scheduling):
     target, head = checkpoints
     plain = make_llm(cache_dir, target, async_scheduling=False)
-    expected = [o.outputs[0].token_ids for o in plain.generate(prompts(), GREEDY, use_tqdm=False)]
+    expected = [o.outputs[0] for o in plain.generate(prompts(), GREEDY, use_tqdm=False)]
     eagle = make_llm(
         cache_dir,
         target,
@@ -107,8 +108,9 @@ def test_an_agreeing_eagle_head_is_accepted_and_changes_no_token(cache_dir, chec
         speculative_config={"method": "eagle", "num_speculative_tokens": NUM_SPEC, "model": head},
     )
     assert eagle.llm_engine.runner.use_async_scheduling == async_scheduling  # the head drafts on the device
-    got = [o.outputs[0].token_ids for o in eagle.generate(prompts(), GREEDY, use_tqdm=False)]
-    assert got == expected
+    got = [o.outputs[0] for o in eagle.generate(prompts(), GREEDY, use_tqdm=False)]
+    for completion, want in zip(got, expected):
+        assert_same_logprobs(completion, want)
     stats = eagle.llm_engine.scheduler.spec_stats
     # Every draft agrees; only the room left before max_tokens shortens some steps' drafts.
     assert stats.num_accepted == stats.num_drafts > 0

@@ -3,18 +3,19 @@
 Step k+1 is dispatched before step k's tokens are read (the plain path's test
 asserts it the same way), so its inputs (the last accepted token, the number
 of computed tokens, the drafts) come from the device; the host catches up when
-it reads the tokens. Greedy tokens must equal those without speculation.
+it reads the tokens. Greedy tokens, and their logprobs, must equal those without speculation.
 """
 
 import numpy as np
 import pytest
 from runner_driver import tiny_llm
 from test_engine import _dispatch_order
+from test_spec_decode import assert_same_logprobs
 
 from jaxrunner.interfaces import SamplingParams
 
 NUM_SPEC = 3
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4)
 # Penalties count the drafts ahead of each verified row as generated, as one step at a time would.
 PENALIZED = SamplingParams(
     temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.2
@@ -37,15 +38,19 @@ def spec(method: str, **extra) -> dict:
     return {"method": method, "num_speculative_tokens": NUM_SPEC, **extra}
 
 
-def token_ids(llm, params=GREEDY) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
+def completions(llm, params):
+    return [o.outputs[0] for o in llm.generate(prompts(), params, use_tqdm=False)]
+
+
+def token_ids(llm, params) -> list[list[int]]:
+    return [c.token_ids for c in completions(llm, params)]
 
 
 @pytest.fixture(scope="module")
-def expected(cache_dir) -> list[list[list[int]]]:
-    """Greedy tokens without speculation, one step at a time: plain, then penalized."""
+def expected(cache_dir) -> tuple[list, list[list[int]]]:
+    """Without speculation, one step at a time: greedy completions with logprobs, penalized greedy tokens."""
     llm = tiny_llm(cache_dir, async_scheduling=False, max_model_len=MAX_MODEL_LEN)
-    return [token_ids(llm, GREEDY), token_ids(llm, PENALIZED)]
+    return completions(llm, GREEDY), token_ids(llm, PENALIZED)
 
 
 @pytest.mark.parametrize(
@@ -62,7 +67,8 @@ def test_speculative_steps_overlap_and_change_no_token(cache_dir, expected, monk
     llm = tiny_llm(cache_dir, speculative_config=config, max_model_len=MAX_MODEL_LEN, **overrides)
     assert llm.llm_engine.runner.use_async_scheduling
     events = _dispatch_order(llm, monkeypatch)
-    assert token_ids(llm, GREEDY) == expected[0]
+    for got, want in zip(completions(llm, GREEDY), expected[0]):
+        assert_same_logprobs(got, want)
     assert "DDR" in "".join(events)  # a step dispatched before the one before it was read
     stats = llm.llm_engine.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted > 0

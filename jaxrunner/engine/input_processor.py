@@ -82,11 +82,9 @@ class InputProcessor:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to detect stop strings.")
-        if self.runner.config.num_speculative_tokens and (
-            params.logprobs is not None or params.structured_outputs is not None
-        ):
+        if self.runner.config.num_speculative_tokens and params.structured_outputs is not None:
             raise ValueError(
-                "SamplingParams.logprobs and structured_outputs are not supported with speculative decoding yet; "
+                "SamplingParams.structured_outputs is not supported with speculative decoding yet; "
                 "turn speculative decoding off for these requests' engine."
             )
 
