@@ -82,11 +82,6 @@ class InputProcessor:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to detect stop strings.")
-        if self.runner.config.num_speculative_tokens and params.structured_outputs is not None:
-            raise ValueError(
-                "SamplingParams.structured_outputs is not supported with speculative decoding yet; "
-                "turn speculative decoding off for these requests' engine."
-            )
 
     def _with_token_lists(self, params: SamplingParams) -> SamplingParams:
         """Add what the runner needs as token ids: min_tokens' stop ids and the bad words."""

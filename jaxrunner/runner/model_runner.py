@@ -68,14 +68,21 @@ from jaxrunner.runner.prompt_logprobs import PromptLogprobs
 from jaxrunner.runner.spec_decode.draft_model import DraftModel
 from jaxrunner.runner.spec_decode.drafter import Drafter
 from jaxrunner.runner.spec_decode.eagle import EagleDrafter
-from jaxrunner.runner.spec_decode.ngram import NgramDrafter
+from jaxrunner.runner.spec_decode.ngram import NO_DRAFT, NgramDrafter
 from jaxrunner.runner.states import DeviceState, RequestFeatureState, RequestState
 from jaxrunner.runner.step_functions import StepStatics
 from jaxrunner.runner.structured_outputs import GrammarBitmask, uses_grammar
 from jaxrunner.runner.unsupported import refuse_unsupported
 from jaxrunner.sample.logprobs import LogprobsTensors
 from jaxrunner.sample.sampling_state import check_logprobs_count, pack_sampling_params, uses_sampling_stages
-from jaxrunner.sharding import kv_cache_sharding, make_mesh, min_over_processes, replicated, tensor_parallel_size
+from jaxrunner.sharding import (
+    host_copy,
+    kv_cache_sharding,
+    make_mesh,
+    min_over_processes,
+    replicated,
+    tensor_parallel_size,
+)
 from jaxrunner.spans import Spans
 
 logger = logging.getLogger(__name__)
@@ -438,6 +445,18 @@ class ModelRunner:
         """
         async_scheduling = self.config.scheduler_config.async_scheduling
         return async_scheduling and (self.num_spec == 0 or self.statics.drafts_on_device)
+
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        """The drafts proposed on the device for each running request's next step, up to the first
+        the proposer could not fill (vLLM's ``take_draft_token_ids``: the host needs them to build a
+        grammar's bitmask rows); {} where the host proposes them. Waits for the last step."""
+        if not self.statics.drafts_on_device:
+            return {}
+        drafts = host_copy(self.device_state.draft_tokens)
+        filled = np.cumprod(drafts != NO_DRAFT, axis=1).sum(axis=1)
+        return {
+            req_id: drafts[slot, : filled[slot]].tolist() for req_id, slot in self.req_states.req_id_to_index.items()
+        }
 
     # ------------------------------------------------------------ request state
 
