@@ -97,7 +97,7 @@ class SchedulerConfig:
     the runner's ``sample_tokens`` then returns an ``AsyncModelRunnerOutput``.
     Off here, as in vLLM, so a runner driven by hand answers plainly; ``LLM``
     turns it on. The engine falls back to one step at a time while a request
-    needs its tokens first (speculative decoding, structured outputs).
+    needs its tokens first (drafts proposed on the host, structured outputs).
 
     ``num_scheduler_steps`` (vLLM's multi-step scheduling) lets one scheduling
     round run up to that many decode steps back to back in one device program,

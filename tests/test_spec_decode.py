@@ -128,3 +128,30 @@ def test_eagle_head_greedy_equals_no_speculation(cache_dir, tmp_path):
     assert llm.llm_engine.scheduler.spec_stats.num_drafts > 0
     manager = llm.kv_cache_manager
     assert manager.num_free_blocks == manager.num_usable_blocks
+
+
+def test_nothing_compiles_after_warm_up_with_everything_on(cache_dir):
+    """Prompt logprobs, sample logprobs, a grammar, penalties and draft-model speculation in one
+    run (async scheduling on; the grammar's steps one at a time) use only precompiled programs."""
+    from jaxrunner.engine.structured_outputs import StructuredOutputsParams
+
+    llm = tiny_llm(
+        cache_dir,
+        speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": "tiny-llama"},
+    )
+    runner = llm.llm_engine.runner
+    compiled, programs = CompileCounter.count(), runner.num_compiled_programs
+    grammar = StructuredOutputsParams(regex="[a-c]{3,9}")
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=2, logprobs=1, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=12, structured_outputs=grammar),
+        SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.2, presence_penalty=0.5, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=12, frequency_penalty=0.4, logprobs=3, ignore_eos=True),
+    ]
+    batch = prompts()
+    outputs = llm.generate(batch, [params[i % len(params)] for i in range(len(batch))], use_tqdm=False)
+    assert all(o.error is None for o in outputs)
+    assert outputs[0].prompt_logprobs is not None and outputs[1].outputs[0].text
+    assert llm.llm_engine.scheduler.spec_stats.num_drafts > 0
+    assert CompileCounter.count() == compiled
+    assert runner.num_compiled_programs == programs

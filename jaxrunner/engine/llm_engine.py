@@ -147,7 +147,7 @@ class LLMEngine:
         processes step k's tokens while the device runs k+1, so the outputs it
         returns are one step behind the dispatch. It falls back to one step at a
         time while a request needs its last tokens before it can be scheduled
-        (speculative drafts, a grammar's next bitmask).
+        (a grammar's next bitmask; n-gram drafts proposed on the host never overlap).
         """
         start, wait_before, call_before = time.perf_counter(), self.runner.device_wait_s, self.runner.program_call_s
         outputs: list[RequestOutput] = []

@@ -158,6 +158,7 @@ def sample_step(
     # Verification: every logits row of a request goes through the full pipeline, row j
     # (after draft j - 1) with the drafts before it as generated tokens: the bad words'
     # history reads them from ``token_ids``, the penalties count them.
+    assert grammar_bitmask is not None and grammar_active is not None, "verification applies the grammar"
     k1 = statics.num_spec + 1
     flat = lambda a: a.reshape(num_rows * k1, *a.shape[2:])
     repeat = lambda a: jnp.repeat(a, k1, axis=0)
