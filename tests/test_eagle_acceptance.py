@@ -17,6 +17,7 @@ import pytest
 import transformers
 from flax import nnx
 from safetensors.numpy import save_file
+from test_engine import _dispatch_order
 from test_spec_decode import assert_same_logprobs
 
 from jaxrunner.engine.llm import LLM
@@ -96,19 +97,18 @@ def prompts() -> list[list[int]]:
     return [rng.integers(3, 259, n).tolist() for n in (4, 19, 9, 30, 2)]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_an_agreeing_eagle_head_is_accepted_and_changes_no_token(cache_dir, checkpoints, async_scheduling):
+def test_an_agreeing_eagle_head_is_accepted_and_changes_no_token(cache_dir, checkpoints, monkeypatch):
+    """Under async scheduling (the head drafts on the device): tokens and logprobs of the target
+    alone, one step at a time, and every draft accepted."""
     target, head = checkpoints
     plain = make_llm(cache_dir, target, async_scheduling=False)
     expected = [o.outputs[0] for o in plain.generate(prompts(), GREEDY, use_tqdm=False)]
     eagle = make_llm(
-        cache_dir,
-        target,
-        async_scheduling=async_scheduling,
-        speculative_config={"method": "eagle", "num_speculative_tokens": NUM_SPEC, "model": head},
+        cache_dir, target, speculative_config={"method": "eagle", "num_speculative_tokens": NUM_SPEC, "model": head}
     )
-    assert eagle.llm_engine.runner.use_async_scheduling == async_scheduling  # the head drafts on the device
+    events = _dispatch_order(eagle, monkeypatch)
     got = [o.outputs[0] for o in eagle.generate(prompts(), GREEDY, use_tqdm=False)]
+    assert "DDR" in "".join(events)  # a step dispatched before the one before it was read
     for completion, want in zip(got, expected):
         assert_same_logprobs(completion, want)
     stats = eagle.llm_engine.scheduler.spec_stats
