@@ -29,17 +29,16 @@ class AsyncOutput(AsyncModelRunnerOutput):
         logprobs: LogprobsTensors | None,
         prompt_logprobs: dict[str, tuple[int, LogprobsLists]],
         spans: Spans,
-        on_sampled: Callable[[list[list[int]]], None] | None = None,
     ):
-        """``tokens``: ``[rows, num_spec + 1]``; ``logprobs``: one row per logits row of them.
-        ``on_sampled`` receives the sampled token lists once they are on the host (the
-        runner's host-side counts catch up on rejected drafts there)."""
+        """``tokens``: ``[rows, num_spec + 1]``; ``logprobs``: one row per logits row of them."""
         self.batch = batch
         self.tokens = tokens
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs
         self.spans = spans
-        self.on_sampled = on_sampled
+        # Given the sampled token lists once they are on the host: the runner's host-side
+        # counts catch up on rejected drafts there.
+        self.on_sampled: Callable[[list[list[int]]], None] | None = None
 
     def get_output(self) -> ModelRunnerOutput:
         """Wait for the step's tokens on the host and build its ``ModelRunnerOutput``."""

@@ -155,20 +155,49 @@ def sample_step(
         tokens = output.sampled_token_ids[:, None]
         state = post_update(state, rows, tokens, jnp.ones(num_rows, jnp.int32))
         return draft_kv, state, tokens, output.logprobs
-    # Verification: every logits row of a request goes through the full pipeline, row j
-    # (after draft j - 1) with the drafts before it as generated tokens: the bad words'
-    # history reads them from ``token_ids``, the penalties count them.
     assert grammar_bitmask is not None and grammar_active is not None, "verification applies the grammar"
-    k1 = statics.num_spec + 1
+    state, tokens, num_sampled, logprobs = _verify_drafts(
+        statics, model, sample_hidden[:num_rows], head, state, grammar_bitmask, grammar_active
+    )
+    state = post_update(state, rows, tokens, num_sampled)
+    if statics.drafter is not None:
+        # The target's feature at the last accepted row, for heads that read it.
+        features = jnp.take_along_axis(
+            sample_hidden[:num_rows], jnp.maximum(num_sampled - 1, 0)[:, None, None], axis=1
+        )[:, 0]
+        draft_kv, state = _propose_on_device(statics, model, draft_leaves, draft_kv, state, head, features)
+    elif statics.ngram is not None:
+        state = _propose_ngram(statics.ngram, state, head)
+    return draft_kv, state, tokens, logprobs
+
+
+def _verify_drafts(
+    statics: StepStatics,
+    model: CausalLM,
+    sample_hidden: Float[Array, "num_rows num_spec_plus_1 hidden_size"],
+    head: SampleRows,
+    state: DeviceState,
+    grammar_bitmask: Int[Array, "num_logits_rows bitmask_words"],
+    grammar_active: Bool[Array, " num_logits_rows"],
+) -> tuple[DeviceState, Int[Array, "num_rows num_spec_plus_1"], Int[Array, " num_rows"], LogprobsTensors]:
+    """Rejection sampling of each row's drafts: the state with the drafts in ``token_ids``, the
+    emitted tokens (-1 after them), their number, and their logprobs (a row per logits row).
+
+    Every logits row goes through the full pipeline, row j (after draft j - 1) with the
+    drafts before it as generated tokens: the bad words' history reads them from
+    ``token_ids``, the penalties count them, as one step at a time would.
+    """
+    num_rows, k1 = sample_hidden.shape[:2]
+    config = statics.sampler_config
     flat = lambda a: a.reshape(num_rows * k1, *a.shape[2:])
     repeat = lambda a: jnp.repeat(a, k1, axis=0)
     unflat = lambda a: a.reshape(num_rows, k1, *a.shape[1:])
     num_drafts = num_valid_drafts(head.draft_tokens, head.num_drafts)
-    drafts = jnp.where(jnp.arange(statics.num_spec)[None, :] < num_drafts[:, None], head.draft_tokens, -1)
+    drafts = jnp.where(jnp.arange(k1 - 1)[None, :] < num_drafts[:, None], head.draft_tokens, -1)
     state = _write_drafts(state, head, drafts)
-    ahead = jnp.where(jnp.arange(statics.num_spec)[None, None, :] < jnp.arange(k1)[None, :, None], drafts[:, None], -1)
+    ahead = jnp.where(jnp.arange(k1 - 1)[None, None, :] < jnp.arange(k1)[None, :, None], drafts[:, None], -1)
     prepared = prepare_logits(
-        model.compute_logits(flat(sample_hidden[:num_rows])),
+        model.compute_logits(flat(sample_hidden)),
         state.sampling,
         state.token_ids,
         repeat(head.idx_mapping),
@@ -189,22 +218,7 @@ def sample_step(
         head.positions,
     )
     logprobs = logprobs_of(prepared, flat(jnp.maximum(tokens, 0)), config.max_logprobs, config.logprobs_mode)
-    state = post_update(state, rows, tokens, num_sampled)
-    if statics.drafter is not None:
-        # The target's feature at the last accepted row, for heads that read it.
-        features = jnp.take_along_axis(
-            sample_hidden[:num_rows], jnp.maximum(num_sampled - 1, 0)[:, None, None], axis=1
-        )[:, 0]
-        draft_kv, state = _propose_on_device(statics, model, draft_leaves, draft_kv, state, head, features)
-    elif statics.ngram is not None:
-        take = lambda a: a.at[head.idx_mapping].get(mode="fill", fill_value=0)
-        # The history ends at the last accepted token, the next step's first input.
-        lengths = take(state.num_computed_tokens) + 1
-        next_drafts = statics.ngram.propose(state.token_ids, head.idx_mapping, lengths)
-        state = dataclasses.replace(
-            state, draft_tokens=state.draft_tokens.at[head.idx_mapping].set(next_drafts, mode="drop")
-        )
-    return draft_kv, state, tokens, logprobs
+    return state, tokens, num_sampled, logprobs
 
 
 def _write_drafts(state: DeviceState, head: SampleRows, drafts: Int[Array, "num_rows num_spec"]) -> DeviceState:
@@ -214,6 +228,14 @@ def _write_drafts(state: DeviceState, head: SampleRows, drafts: Int[Array, "num_
     rows = jnp.where(drafts >= 0, head.idx_mapping[:, None], state.token_ids.shape[0])
     positions = head.positions[:, :1] + 1 + jnp.arange(k)[None, :]
     return dataclasses.replace(state, token_ids=state.token_ids.at[rows, positions].set(drafts, mode="drop"))
+
+
+def _propose_ngram(ngram: NgramDrafter, state: DeviceState, head: SampleRows) -> DeviceState:
+    """Next step's n-gram drafts from each row's history, which ends at its last accepted token
+    (the next step's first input, at position ``num_computed_tokens``), left on the device."""
+    lengths = state.num_computed_tokens.at[head.idx_mapping].get(mode="fill", fill_value=0) + 1
+    drafts = ngram.propose(state.token_ids, head.idx_mapping, lengths)
+    return dataclasses.replace(state, draft_tokens=state.draft_tokens.at[head.idx_mapping].set(drafts, mode="drop"))
 
 
 def decode_steps(
