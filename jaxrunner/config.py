@@ -97,7 +97,7 @@ class SchedulerConfig:
     the runner's ``sample_tokens`` then returns an ``AsyncModelRunnerOutput``.
     Off here, as in vLLM, so a runner driven by hand answers plainly; ``LLM``
     turns it on. The engine falls back to one step at a time while a request
-    needs its tokens first (speculative decoding, structured outputs).
+    needs its tokens first (drafts proposed on the host, structured outputs).
 
     ``num_scheduler_steps`` (vLLM's multi-step scheduling) lets one scheduling
     round run up to that many decode steps back to back in one device program,
@@ -163,7 +163,10 @@ class SpeculativeConfig:
     """Speculative decoding: who proposes drafts and how many per step.
 
     ``method`` "ngram" proposes by prompt lookup: the tokens that followed the
-    earlier occurrence of the history's last ``prompt_lookup_min``..``max`` tokens.
+    earlier occurrence of the history's last ``prompt_lookup_min``..``max`` tokens,
+    on the host, so one step at a time (as vLLM, async scheduling is off with it);
+    "ngram_gpu" (vLLM's name) proposes the same drafts on the device, and runs
+    under async scheduling.
     "draft_model" decodes the drafts greedily with ``model`` (a checkpoint
     directory or built-in name of the target's vocabulary) on the device;
     "eagle" with the EAGLE head checkpoint ``model``, fed the target's features.
@@ -176,9 +179,9 @@ class SpeculativeConfig:
     model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model", "eagle"):
+        if self.method not in ("ngram", "ngram_gpu", "draft_model", "eagle"):
             raise ValueError(
-                f"SpeculativeConfig.method must be 'ngram', 'draft_model' or 'eagle'; got {self.method!r}."
+                f"SpeculativeConfig.method must be 'ngram', 'ngram_gpu', 'draft_model' or 'eagle'; got {self.method!r}."
             )
         if self.num_speculative_tokens < 1:
             raise ValueError(

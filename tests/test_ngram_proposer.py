@@ -1,13 +1,15 @@
-"""NgramProposer: hand-made histories, a brute-force reference, and speed."""
+"""NgramProposer: hand-made histories, a brute-force reference, and speed; the device's NgramDrafter against it."""
 
 from __future__ import annotations
 
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxrunner.engine.ngram_proposer import NgramProposer
+from jaxrunner.runner.spec_decode.ngram import NO_DRAFT, NgramDrafter
 
 
 def reference_propose(history: list[int], k: int, lo: int, hi: int, max_model_len: int | None) -> list[int]:
@@ -134,3 +136,22 @@ def test_4k_history_is_fast():
         p.propose(no_match)
     per_call = (time.perf_counter() - start) / (2 * reps)
     assert per_call < 5e-3, f"{per_call * 1e3:.3f} ms per propose"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_proposer_drafts_what_the_host_proposes(seed):
+    """NgramDrafter ("ngram_gpu") over a batch of slots of a token table: per row, the host
+    proposer's drafts over the same history (within max_model_len, the table's width),
+    then -1 for the drafts it lacks."""
+    rng = np.random.default_rng(seed)
+    max_model_len, num_slots, k = 48, 64, int(rng.integers(1, 6))
+    lo = int(rng.integers(1, 4))
+    hi = lo + int(rng.integers(0, 4))
+    table = rng.integers(0, int(rng.integers(2, 6)), size=(num_slots, max_model_len)).astype(np.int32)
+    slots = rng.permutation(num_slots)[:40].astype(np.int32)
+    lengths = rng.integers(1, max_model_len + 1, size=40).astype(np.int32)
+    drafts = np.asarray(NgramDrafter(k, lo, hi).propose(jnp.asarray(table), jnp.asarray(slots), jnp.asarray(lengths)))
+    host = NgramProposer(k, lo, hi, max_model_len)
+    for row, (slot, length) in enumerate(zip(slots, lengths)):
+        want = host.propose(table[slot, :length])
+        assert drafts[row].tolist() == want + [NO_DRAFT] * (k - len(want)), (slot, length)

@@ -5,6 +5,8 @@ Each generation repeatedly fills the bitmask, picks a random allowed token
 the text must then parse and match its constraint. Two tokenizers: the byte
 tokenizer (one token per byte) and a GPT-2 style byte-level BPE trained here on
 JSON-like text, so that tokens span several characters (no download).
+With speculative decoding, the drafts' bitmask rows, and the engine's outputs
+with n-gram and draft-model drafts.
 """
 
 import json
@@ -15,9 +17,12 @@ import re
 import numpy as np
 import pytest
 import transformers
+from runner_driver import tiny_llm
+from test_spec_decode import assert_same_logprobs
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxrunner.engine.structured_outputs import StructuredOutputManager, StructuredOutputsParams
+from jaxrunner.interfaces import SamplingParams
 from jaxrunner.models.tokenizer import BYTE_VOCAB_SIZE, EOS_ID, build_byte_tokenizer
 
 PERSON = {
@@ -303,3 +308,73 @@ def test_grammar_output_only_for_constrained_requests(byte_manager):
     assert not byte_manager.has("c1") and byte_manager.grammar_output(["c1", "c2"]) is None
     with pytest.raises(KeyError, match="no structured output constraint"):
         byte_manager.fill_bitmask(["c1"])
+
+
+# ------------------------------------------------------- speculative decoding
+
+
+def test_drafts_are_cut_to_what_the_grammar_takes_and_get_a_row_each(byte_manager):
+    """validate_drafts keeps the leading drafts the grammar takes without completing; fill_bitmask
+    gives a row for the next token and one after each draft, and leaves the matcher as it was."""
+    ids = lambda text: byte_manager.tokenizer.encode(text, add_special_tokens=False)
+    byte_manager.add_request("s", StructuredOutputsParams(choice=["cat", "cow", "dog"]))
+    assert byte_manager.validate_drafts("s", ids("cox")) == ids("co")  # x: not in the grammar
+    assert byte_manager.validate_drafts("s", ids("cat") + [EOS_ID]) == ids("ca")  # t completes it
+    assert byte_manager.validate_drafts("s", ids("z")) == []
+    rows = byte_manager.fill_bitmask(["s"], {"s": ids("ca")})
+    as_tokens = [byte_manager.tokenizer.convert_ids_to_tokens(_allowed(row).tolist()) for row in rows]
+    assert as_tokens == [["c", "d"], ["a", "o"], ["t"]]
+    # Nothing was consumed: the next token is still the first.
+    np.testing.assert_array_equal(byte_manager.fill_bitmask(["s"])[0], rows[0])
+    output = byte_manager.grammar_output(["plain", "s"], {"s": ids("c"), "plain": [5, 6]})
+    assert output.structured_output_request_ids == ["s"] and output.grammar_bitmask.shape == (2, 10)
+    byte_manager.remove_request("s")
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["color", "size", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def without_speculation(cache_dir):
+    """Prompts, their parameters (greedy and seeded, all but the last under the schema) and the
+    completions of the engine without speculative decoding."""
+    llm = tiny_llm(cache_dir, num_gpu_blocks_override=400)
+    constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    example = '{"color":"red","size":12,"ok":true} {"color":"blue","size":7,"ok":false} JSON:'
+    prompts = [example, "Give JSON:", example, "Give JSON:", example]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=constraint),
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=constraint, logprobs=2),
+        SamplingParams(temperature=1.0, seed=1, max_tokens=60, structured_outputs=constraint),
+        SamplingParams(temperature=0.7, seed=2, max_tokens=60, structured_outputs=constraint),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    ]
+    return prompts, params, [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "config", [{"method": "ngram"}, {"method": "draft_model", "model": "tiny-llama"}], ids=["ngram", "draft_model"]
+)
+def test_json_schema_with_speculation(cache_dir, without_speculation, config):
+    """Under the schema with drafts verified against a bitmask row each: every output parses and
+    validates, and greedy outputs (tokens and logprobs) are those without speculation."""
+    prompts, params, expected = without_speculation
+    llm = tiny_llm(cache_dir, num_gpu_blocks_override=400, speculative_config={**config, "num_speculative_tokens": 3})
+    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for completion in got[:-1]:
+        assert _conforms(json.loads(completion.text), SCHEMA), completion.text
+        assert completion.finish_reason == "stop"
+    for i in (0, 4):  # the greedy ones
+        assert got[i].token_ids == expected[i].token_ids
+    assert_same_logprobs(got[1], expected[1])
+    stats = llm.llm_engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted > 0

@@ -101,13 +101,6 @@ class InputProcessor:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to detect stop strings.")
-        if self.runner.config.num_speculative_tokens and (
-            params.logprobs is not None or params.structured_outputs is not None
-        ):
-            raise ValueError(
-                "SamplingParams.logprobs and structured_outputs are not supported with speculative decoding yet; "
-                "turn speculative decoding off for these requests' engine."
-            )
 
     def _with_token_lists(self, params: SamplingParams) -> SamplingParams:
         """Add what the runner needs as token ids: min_tokens' stop ids and the bad words."""

@@ -269,8 +269,9 @@ class LLMEngine:
         processes step k's tokens while the device runs k+1, so the outputs it
         returns are one step behind the dispatch. It falls back to one step at a
         time while a request needs its last tokens before it can be scheduled
-        (speculative drafts, a grammar's next bitmask). A step cut short by an
-        exception leaves every prompt aborted and the engine ready (``_recover``).
+        (a grammar's next bitmask; n-gram drafts proposed on the host never overlap).
+        A step cut short by an exception leaves every prompt aborted and the engine
+        ready (``_recover``).
         """
         with self._changing_state():
             outputs = self._step()
@@ -316,7 +317,9 @@ class LLMEngine:
             grammar = None
             if self._has_grammars():
                 assert self.structured_outputs is not None  # _has_grammars checked it
-                grammar = self.structured_outputs.grammar_output(list(scheduler_output.num_scheduled_tokens))
+                grammar = self.structured_outputs.grammar_output(
+                    list(scheduler_output.num_scheduled_tokens), scheduler_output.scheduled_spec_decode_tokens
+                )
             return self.runner.sample_tokens(grammar)
         return runner_output if runner_output is not None else ModelRunnerOutput.make_empty()
 
@@ -339,21 +342,31 @@ class LLMEngine:
         """Drafts for every decoding request, within its remaining token allowance.
 
         N-gram drafts are proposed here; a draft model leaves its drafts on the
-        device, so the scheduler gets placeholders that only carry their number.
+        device, so the scheduler gets placeholders that only carry their number,
+        but for requests under a grammar, which needs the drafts themselves for
+        its bitmask and keeps only those it takes. Under async scheduling a step
+        may be in flight: its tokens (placeholders) count as known, and the
+        drafts are for the step after it.
         """
+        grammars = self.structured_outputs if self._has_grammars() else None
+        device_drafts = self.runner.take_draft_token_ids() if grammars is not None else {}
         for request in self.scheduler.running:
-            if request.num_computed_tokens != request.num_tokens - 1:
+            pending = request.num_output_placeholders
+            if request.num_computed_tokens != request.num_tokens + pending - 1:
                 continue  # still prefilling
             params = request.sampling_params
-            left = self.max_model_len - request.num_tokens
+            left = self.max_model_len - request.num_tokens - pending
             if params.max_tokens is not None:
-                left = min(left, params.max_tokens - len(request.output_token_ids))
+                left = min(left, params.max_tokens - len(request.output_token_ids) - pending)
             # The step emits drafts + 1 tokens: never more than the request may still produce.
             room = max(left - 1, 0)
-            if self.proposer is None:
-                request.spec_token_ids = [-1] * min(self.num_spec, room)
+            if self.proposer is not None:
+                drafts = self.proposer.propose(request.all_token_ids)
             else:
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids)[:room]
+                drafts = device_drafts.get(request.request_id, [-1] * self.num_spec)
+            if grammars is not None and grammars.has(request.request_id):
+                drafts = grammars.validate_drafts(request.request_id, drafts)
+            request.spec_token_ids = drafts[:room]
 
     def _record_times(self, scheduler_output: SchedulerOutput, start: float, wait_before: float, call_before: float):
         """Add this step to ``step_times``: its host work is its wall time less the runner's program calls and waits."""

@@ -178,7 +178,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             if drafts:
                 spec_tokens[request.request_id] = drafts
-            self._advance_computed(request, num_new, steps)
+            self._advance_computed(request, num_new, steps, len(drafts))
             index += 1
 
         # Waiting requests only when nothing was preempted this step (as vLLM), and never into a round.
@@ -242,11 +242,12 @@ class Scheduler:
         )
 
     @staticmethod
-    def _advance_computed(request: Request, num_new: int, steps: int) -> None:
-        """Count a scheduled request's new tokens as computed, as soon as it is scheduled."""
+    def _advance_computed(request: Request, num_new: int, steps: int, num_drafts: int = 0) -> None:
+        """Count a scheduled request's new tokens as computed, as soon as it is scheduled; a step
+        that samples holds placeholders for the most tokens it can emit (its drafts + 1, as vLLM)."""
         request.num_computed_tokens += num_new
         if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-            request.num_output_placeholders += steps  # the round samples its next token(s)
+            request.num_output_placeholders += steps + num_drafts  # the round samples its next token(s)
 
     def _decode_steps(self) -> int:
         """Decode steps this round may run back to back (multi-step scheduling); 1 for a single step.
@@ -278,10 +279,12 @@ class Scheduler:
         return steps if manager.can_fit(needed) else 1
 
     def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
-        """Lookahead slots only once the prefill completes, so no partial block is hashed early."""
+        """Lookahead slots only once the prefill completes, so no partial block is hashed early; none
+        past max_model_len (as vLLM), where the request ends: no draft there is ever verified."""
         computed = request.num_computed_tokens if num_computed is None else num_computed
         end = request.num_tokens + request.num_output_placeholders
-        return self.num_lookahead_tokens if computed + num_new >= end else 0
+        room = max(self.max_model_len - computed - num_new, 0)
+        return min(self.num_lookahead_tokens, room) if computed + num_new >= end else 0
 
     def _sampling_last_token(self, request: Request) -> bool:
         """Whether a step in flight samples the request's last token: it is not scheduled again."""
@@ -328,12 +331,14 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or not sampled:
                 continue
-            request.num_output_placeholders -= steps
             drafts = spec.get(req_id) if spec else None
+            request.num_output_placeholders -= steps + (len(drafts) if drafts else 0)
             request.spec_token_ids = []
             if drafts:
-                # Rejected drafts' KV positions are recomputed: they were never computed.
-                request.num_computed_tokens -= len(drafts) - (len(sampled) - 1)
+                # Rejected drafts' KV positions are recomputed: they were never computed. A request
+                # preempted meanwhile (async scheduling) computes everything again anyway.
+                if request.num_computed_tokens > 0:
+                    request.num_computed_tokens -= len(drafts) - (len(sampled) - 1)
                 self.spec_stats.record(len(drafts), len(sampled) - 1)
             new_tokens = []
             for token in sampled:

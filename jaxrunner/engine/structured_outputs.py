@@ -8,6 +8,12 @@ of the tokens each request may take next (bit ``v % 32`` of word ``v // 32``
 allows token ``v``), which the runner applies to the logits before sampling;
 after sampling, the sampled tokens advance the matchers.
 
+With speculative decoding a request's drafts are first cut to those the
+grammar takes (``validate_drafts``); the step then gets a bitmask row for the
+next token and one after each draft, built by advancing the matcher through
+the drafts and rolling it back, so every verified row is constrained as the
+token it scores would be without speculation.
+
 The grammar engine is llguidance (vLLM's "guidance" backend): a single abi3
 wheel with no Python dependencies, fast enough to compute masks on the fly
 (no per-grammar precomputation over the vocabulary), and it reads any
@@ -169,18 +175,45 @@ class StructuredOutputManager:
         """Forget ``req_id`` (finished or aborted); unconstrained ids are ignored."""
         self._matchers.pop(req_id, None)
 
-    def fill_bitmask(self, req_ids: list[str]) -> np.ndarray:
-        """int32 ``[len(req_ids), ceil(vocab_size / 32)]``: row i allows the tokens ``req_ids[i]`` may take next.
+    def fill_bitmask(self, req_ids: list[str], drafts: dict[str, list[int]] | None = None) -> np.ndarray:
+        """int32 ``[rows, ceil(vocab_size / 32)]``: per request of ``req_ids`` in order, a row of the
+        tokens it may take next, then (speculative decoding) one after each of its ``drafts``.
 
-        A terminated request (its grammar complete, or broken by a disallowed
-        token) allows only EOS. The rows are computed in parallel.
+        The drafts must be ones ``validate_drafts`` kept: the matcher takes each of them,
+        and is rolled back after. A terminated request (its grammar complete, or broken by
+        a disallowed token) allows only EOS. The rows are computed in parallel.
         """
-        shape = llguidance.numpy.get_bitmask_shape(len(req_ids), self._ll_tokenizer.vocab_size)
+        drafts = drafts or {}
+        plain, drafted, row = [], [], 0
+        for req_id in req_ids:
+            request_drafts = list(drafts.get(req_id, ()))
+            if request_drafts:
+                drafted.append((self._matcher(req_id), row, request_drafts))
+            else:
+                plain.append((self._matcher(req_id), row))
+            row += 1 + len(request_drafts)
+        shape = llguidance.numpy.get_bitmask_shape(row, self._ll_tokenizer.vocab_size)
         bitmask = np.zeros(shape, dtype=np.int32)
-        if req_ids:
-            matchers = [(self._matcher(req_id), row) for row, req_id in enumerate(req_ids)]
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        if plain:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        if drafted:  # llguidance takes no empty draft lists there
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
         return self._cut_to_vocab(bitmask)
+
+    def validate_drafts(self, req_id: str, drafts: list[int]) -> list[int]:
+        """The leading ``drafts`` the grammar takes without completing: the rest could never be
+        emitted (a disallowed token is rejected; after a completing one the request ends, as it
+        does without speculation), so they are not verified. The matcher is left as it was."""
+        matcher = self._matcher(req_id)
+        consumed = 0
+        for token in drafts[: matcher.validate_tokens(list(drafts))]:
+            matcher.consume_token(int(token))  # validated: taken
+            consumed += 1
+            if matcher.is_stopped():
+                break
+        kept = consumed - int(matcher.is_stopped())
+        matcher.rollback(consumed)
+        return list(drafts[:kept])
 
     def _cut_to_vocab(self, bitmask: np.ndarray) -> np.ndarray:
         """Drop the ids past ``vocab_size`` (there only when the tokenizer is larger than the model)."""
@@ -209,12 +242,15 @@ class StructuredOutputManager:
         """Whether ``req_id`` can take nothing but EOS (grammar complete, EOS taken, or an error)."""
         return self._matcher(req_id).is_stopped()
 
-    def grammar_output(self, req_ids: list[str]) -> GrammarOutput | None:
-        """The bitmasks of the constrained requests among ``req_ids``, in their order; None if there are none."""
+    def grammar_output(self, req_ids: list[str], drafts: dict[str, list[int]] | None = None) -> GrammarOutput | None:
+        """The bitmasks of the constrained requests among ``req_ids``, in their order (vLLM's layout:
+        each request's row, then one after each of its scheduled ``drafts``); None if there are none."""
         constrained = [req_id for req_id in req_ids if req_id in self._matchers]
         if not constrained:
             return None
-        return GrammarOutput(structured_output_request_ids=constrained, grammar_bitmask=self.fill_bitmask(constrained))
+        return GrammarOutput(
+            structured_output_request_ids=constrained, grammar_bitmask=self.fill_bitmask(constrained, drafts)
+        )
 
     def _matcher(self, req_id: str) -> llguidance.LLMatcher:
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import numpy as np
 
@@ -28,11 +30,15 @@ class AsyncOutput(AsyncModelRunnerOutput):
         prompt_logprobs: dict[str, tuple[int, LogprobsLists]],
         spans: Spans,
     ):
+        """``tokens``: ``[rows, num_spec + 1]``; ``logprobs``: one row per logits row of them."""
         self.batch = batch
         self.tokens = tokens
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs
         self.spans = spans
+        # Given the sampled token lists once they are on the host: the runner's host-side
+        # counts catch up on rejected drafts there.
+        self.on_sampled: Callable[[list[list[int]]], None] | None = None
 
     def get_output(self) -> ModelRunnerOutput:
         """Wait for the step's tokens on the host and build its ``ModelRunnerOutput``."""
@@ -40,11 +46,14 @@ class AsyncOutput(AsyncModelRunnerOutput):
             batch = self.batch
             with self.spans("device_wait"):
                 tokens = host_copy(self.tokens)  # blocks until the step has run and its tokens are copied
+            sampled = self._sampled_token_ids(tokens[: batch.num_reqs])
+            if self.on_sampled is not None:
+                self.on_sampled(sampled)
             return ModelRunnerOutput(
                 req_ids=batch.req_ids,
                 req_id_to_index=dict(zip(batch.req_ids, range(batch.num_reqs))),
-                sampled_token_ids=self._sampled_token_ids(tokens[: batch.num_reqs]),
-                logprobs=None if self.logprobs is None else self._logprobs_lists(self.logprobs),
+                sampled_token_ids=sampled,
+                logprobs=None if self.logprobs is None else self._logprobs_lists(self.logprobs, sampled),
                 prompt_logprobs_dict=self.prompt_logprobs,
             )
 
@@ -58,12 +67,17 @@ class AsyncOutput(AsyncModelRunnerOutput):
             return rows.tolist()
         return [[t for t in row if t >= 0] if s else [] for row, s in zip(rows.tolist(), is_sampling.tolist())]
 
-    def _logprobs_lists(self, logprobs: LogprobsTensors) -> LogprobsLists:
-        """Sample logprobs of the rows that sampled."""
-        keep = np.flatnonzero(self.batch.is_sampling_np)
+    def _logprobs_lists(self, logprobs: LogprobsTensors, sampled: list[list[int]]) -> LogprobsLists:
+        """Sample logprobs of the tokens sampled: request row r's logits rows are
+        ``r * (num_spec + 1)`` onwards, one per token it emitted."""
+        width = self.tokens.shape[1]
+        counts = np.fromiter(map(len, sampled), np.int64, len(sampled))
+        keep = np.repeat(np.arange(len(sampled)) * width, counts) + (
+            np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        )
         return LogprobsLists(
             logprob_token_ids=host_copy(logprobs.token_ids)[keep],
             logprobs=host_copy(logprobs.logprobs)[keep],
             sampled_token_ranks=host_copy(logprobs.ranks)[keep],
-            cu_num_generated_tokens=np.concatenate([[0], np.cumsum(self.batch.is_sampling_np)]).tolist(),
+            cu_num_generated_tokens=np.concatenate([[0], np.cumsum(counts)]).tolist(),
         )

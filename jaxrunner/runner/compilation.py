@@ -385,7 +385,11 @@ class CompilationManager:
         shape = self.step_shapes[tokens]
         zeros = lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding)
         caches, draft_caches, state = jax.tree.map(zeros, self._step_args(shape, _PROFILE_NUM_BLOCKS)[2:5])
-        no_grammar = np.zeros((reqs, bitmask_words(self.inputs.vocab_size)), np.int32), np.zeros(reqs, np.bool_)
+        logits_rows = reqs * (self.statics.num_spec + 1)
+        no_grammar = (
+            np.zeros((logits_rows, bitmask_words(self.inputs.vocab_size)), np.int32),
+            np.zeros(logits_rows, np.bool_),
+        )
         try:
             ballast = _hold_up_to_peak(device)
             in_use = _stats(device)["bytes_in_use"]
@@ -426,7 +430,7 @@ class CompilationManager:
             num_reqs=num_reqs,
             append_capacity=BlockTables.append_capacity(num_tokens, num_reqs, statics.block_size),
             num_spec=statics.num_spec,
-            drafts_on_device=statics.drafter is not None,
+            drafts_on_device=statics.drafts_on_device,
         )
 
     def _input(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
@@ -466,6 +470,7 @@ class CompilationManager:
             lambda a: self._input(a.shape, a.dtype), SampleRows.abstract(statics.max_num_reqs, statics.num_spec)
         )
         words = bitmask_words(inputs.vocab_size)
+        logits_rows = num_rows * (statics.num_spec + 1)  # the grammar masks each logits row
         return self._sample_jit.lower(
             inputs.params,
             inputs.draft_params,
@@ -473,8 +478,8 @@ class CompilationManager:
             hidden,
             rows,
             inputs.device_state,
-            self._input((num_rows, words), jnp.int32),
-            self._input((num_rows,), jnp.bool_),
+            self._input((logits_rows, words), jnp.int32),
+            self._input((logits_rows,), jnp.bool_),
             num_rows=num_rows,
             plain=plain,
         )

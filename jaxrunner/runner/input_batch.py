@@ -33,7 +33,7 @@ class StepShape:
     num_reqs: int  # request rows in the attention metadata: min(bucket, max_num_reqs)
     append_capacity: int  # block appends the step buffer carries
     num_spec: int = 0  # draft tokens per request at most (speculative decoding)
-    drafts_on_device: bool = False  # a draft model left them in DeviceState.draft_tokens
+    drafts_on_device: bool = False  # a proposer on the device left them in DeviceState.draft_tokens
 
     @property
     def buffer_words(self) -> int:
@@ -77,6 +77,7 @@ class InputBatch:
 
     req_ids: list[str]
     idx_mapping_np: np.ndarray  # int32 [num_reqs]
+    admissions_np: np.ndarray  # int64 [num_reqs]: which admission to its slot each request is (RequestState)
     num_scheduled_tokens: np.ndarray  # int32 [num_reqs]
     num_tokens_after_padding: int  # the token bucket
     num_reqs_after_padding: int  # the request bucket of logits and sampling
@@ -164,7 +165,8 @@ def build_step_inputs(
     if k:
         if shape.drafts_on_device:
             draft_tokens = state.draft_tokens.at[idx_mapping].get(mode="fill", fill_value=0)
-        from_draft = draft_tokens.at[token_req, offset - 1].get(mode="fill", fill_value=0)
+        # A draft the proposer could not fill (-1) is never accepted; its input is any valid token.
+        from_draft = jnp.maximum(draft_tokens.at[token_req, offset - 1].get(mode="fill", fill_value=0), 0)
         input_ids = jnp.where((offset > 0) & (num_drafts[token_req] > 0), from_draft, input_ids)
     input_ids = jnp.where(is_real, input_ids, 0)
     slot_mapping = compute_slot_mapping(state.block_table, token_slot, positions, is_real, block_size)

@@ -68,13 +68,21 @@ from jaxrunner.runner.prompt_logprobs import PromptLogprobs
 from jaxrunner.runner.spec_decode.draft_model import DraftModel
 from jaxrunner.runner.spec_decode.drafter import Drafter
 from jaxrunner.runner.spec_decode.eagle import EagleDrafter
+from jaxrunner.runner.spec_decode.ngram import NO_DRAFT, NgramDrafter
 from jaxrunner.runner.states import DeviceState, RequestFeatureState, RequestState
 from jaxrunner.runner.step_functions import StepStatics
 from jaxrunner.runner.structured_outputs import GrammarBitmask, uses_grammar
 from jaxrunner.runner.unsupported import refuse_unsupported
 from jaxrunner.sample.logprobs import LogprobsTensors
 from jaxrunner.sample.sampling_state import check_logprobs_count, pack_sampling_params, uses_sampling_stages
-from jaxrunner.sharding import kv_cache_sharding, make_mesh, min_over_processes, replicated, tensor_parallel_size
+from jaxrunner.sharding import (
+    host_copy,
+    kv_cache_sharding,
+    make_mesh,
+    min_over_processes,
+    replicated,
+    tensor_parallel_size,
+)
 from jaxrunner.spans import Spans
 
 logger = logging.getLogger(__name__)
@@ -123,6 +131,12 @@ class ModelRunner:
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.block_size = config.cache_config.block_size
         self.num_spec = config.num_speculative_tokens
+        spec = config.speculative_config
+        if config.scheduler_config.async_scheduling and spec is not None and spec.method == "ngram":
+            logger.warning(
+                "Async scheduling is not supported with n-gram drafts proposed on the host and is off; "
+                "method 'ngram_gpu' proposes the same drafts on the device, under async scheduling."
+            )
         enable_compilation_cache(config.compilation_config.cache_dir)
         # Host time by phase (start-up and per step); benchmarks and the engine read it.
         self.spans = Spans()
@@ -189,7 +203,7 @@ class ModelRunner:
             draft_params = None if self.drafter is None else self._place(self.drafter.params)
             self._draft_leaves, draft_params_treedef = jax.tree.flatten(draft_params)
             self.draft_kv_caches: KVCaches = []
-            statics = StepStatics(
+            self.statics = StepStatics(
                 graphdef=graphdef,
                 params_treedef=params_treedef,
                 draft_params_treedef=draft_params_treedef,
@@ -199,15 +213,16 @@ class ModelRunner:
                 max_num_reqs=self.max_num_reqs,
                 num_spec=self.num_spec,
                 sampler_config=self.config.sampler_config,
+                ngram=self._device_ngram(),
             )
             self.compilation = CompilationManager(
                 self.config.compilation_config,
-                statics,
+                self.statics,
                 self._program_inputs(model),
                 max_num_tokens=self.max_num_tokens,
                 decode_step_counts=self.config.scheduler_config.decode_step_counts,
             )
-            self.grammar_bitmask = GrammarBitmask(self.request_buckets, self.vocab_size, self.replicated)
+            self.grammar_bitmask = GrammarBitmask(self.request_buckets, self.vocab_size, self.num_spec, self.replicated)
             self.prompt_logprobs = PromptLogprobs(self.compilation.prompt_logprobs, self.spans)
             # Per-request state of the features, beside the slots and block tables.
             self.request_features: list[RequestFeatureState] = [self.prompt_logprobs]
@@ -249,6 +264,13 @@ class ModelRunner:
                 self.model_arch.hidden_size,
             )
         return None
+
+    def _device_ngram(self) -> NgramDrafter | None:
+        """The n-gram proposer on the device, for method "ngram_gpu"."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "ngram_gpu":
+            return None
+        return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _with_kv_scale_mode(self, module: _OnMesh) -> _OnMesh:
         """``module``, its attention layers computing pending KV cache scales if ``calculate_kv_scales``."""
@@ -420,10 +442,25 @@ class ModelRunner:
     def use_async_scheduling(self) -> bool:
         """Whether ``sample_tokens`` returns before the tokens reach the host.
 
-        Verification of drafts needs the accepted counts on the host before the
-        next step, so speculative decoding always runs one step at a time.
+        Under speculative decoding only while the drafts are proposed on the device
+        (a draft model, an EAGLE head, "ngram_gpu"): the next step reads them there,
+        with the accepted counts and last accepted tokens, before the host has seen
+        them. Drafts proposed on the host ("ngram") need the last tokens first.
         """
-        return self.config.scheduler_config.async_scheduling and self.num_spec == 0
+        async_scheduling = self.config.scheduler_config.async_scheduling
+        return async_scheduling and (self.num_spec == 0 or self.statics.drafts_on_device)
+
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        """The drafts proposed on the device for each running request's next step, up to the first
+        the proposer could not fill (vLLM's ``take_draft_token_ids``: the host needs them to build a
+        grammar's bitmask rows); {} where the host proposes them. Waits for the last step."""
+        if not self.statics.drafts_on_device:
+            return {}
+        drafts = host_copy(self.device_state.draft_tokens)
+        filled = np.cumprod(drafts != NO_DRAFT, axis=1).sum(axis=1)
+        return {
+            req_id: drafts[slot, : filled[slot]].tolist() for req_id, slot in self.req_states.req_id_to_index.items()
+        }
 
     # ------------------------------------------------------------ request state
 
@@ -506,6 +543,7 @@ class ModelRunner:
             batch = InputBatch(
                 req_ids=req_ids,
                 idx_mapping_np=idx_mapping,
+                admissions_np=self.req_states.admissions[idx_mapping],
                 num_scheduled_tokens=num_scheduled,
                 num_tokens_after_padding=token_bucket,
                 num_reqs_after_padding=request_bucket,
@@ -586,21 +624,24 @@ class ModelRunner:
         return tokens, logprobs if wants_logprobs else None
 
     def output(self, output: AsyncOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        """The step's output: pending under async scheduling, else waited for."""
-        if self.use_async_scheduling:
-            self._advance_computed(output.batch, None)
-            return output
-        result = output.get_output()
-        self._advance_computed(output.batch, result.sampled_token_ids)
-        return result
+        """The step's output: pending under async scheduling, else waited for.
 
-    def _advance_computed(self, batch: InputBatch, sampled: list[list[int]] | None) -> None:
-        """The host's num_computed_tokens: the scheduled tokens, less the rejected drafts."""
-        advance = batch.num_scheduled_tokens * batch.num_steps
-        if sampled is not None and batch.num_drafts.any():
-            rejected = [d - (len(t) - 1) if t else 0 for d, t in zip(batch.num_drafts, sampled)]
-            advance = advance - np.asarray(rejected, np.int32)
-        self.req_states.num_computed_tokens[batch.idx_mapping_np] += advance
+        The host counts every scheduled token as computed at once, as the scheduler
+        does; the rejected drafts are taken back when the tokens reach the host.
+        """
+        batch = output.batch
+        self.req_states.num_computed_tokens[batch.idx_mapping_np] += batch.num_scheduled_tokens * batch.num_steps
+        if batch.num_drafts.any():
+            output.on_sampled = functools.partial(self._take_back_rejected, batch)
+        return output if self.use_async_scheduling else output.get_output()
+
+    def _take_back_rejected(self, batch: InputBatch, sampled: list[list[int]]) -> None:
+        """Take the rejected drafts back from the host's num_computed_tokens: each request's drafts
+        less those it emitted, in the slots the batch's requests still hold (under async scheduling
+        a slot may have been freed, or taken again, before its step's tokens were read)."""
+        rejected = np.array([d - (len(t) - 1) if t else 0 for d, t in zip(batch.num_drafts, sampled)], np.int32)
+        held = self.req_states.admissions[batch.idx_mapping_np] == batch.admissions_np
+        self.req_states.num_computed_tokens[batch.idx_mapping_np[held]] -= rejected[held]
 
     def _call(self, program: jax.stages.Compiled, *args):
         """Call a compiled program; XLA launches its kernels on this thread, so the call is a span of its own."""

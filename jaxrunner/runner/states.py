@@ -125,6 +125,10 @@ class RequestState:
         self.prefill_len = np.zeros(max_num_reqs, np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
         self.num_logprobs = np.zeros(max_num_reqs, np.int32)
+        # Per slot, the running count of requests admitted when its request was: tells a request
+        # from a later one in the same slot (a step's output may be read after its slot changed hands).
+        self.admissions = np.zeros(max_num_reqs, np.int64)
+        self._num_admitted = 0
         # Whether the slot's request samples from temperature alone (``uses_sampling_stages`` says no).
         self.plain_sampling = np.zeros(max_num_reqs, np.bool_)
         self._seed_rng = random.Random(seed)
@@ -157,6 +161,8 @@ class RequestState:
         sampling = pack_sampling_params(new_req.sampling_params, self._seed_rng, self.sampler_config, self.vocab_size)
         slot = self._free_slots.pop()
         self.req_id_to_index[req_id] = slot
+        self._num_admitted += 1
+        self.admissions[slot] = self._num_admitted
         self.prefill_len[slot] = len(tokens)
         self.num_computed_tokens[slot] = new_req.num_computed_tokens
         self.num_logprobs[slot] = sampling["num_logprobs"]

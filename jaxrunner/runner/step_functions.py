@@ -26,10 +26,11 @@ from jaxrunner.ops import AttentionBackend
 from jaxrunner.runner.input_batch import SampleRows, StepShape, build_step_inputs, post_update
 from jaxrunner.runner.kv_cache import KVCaches
 from jaxrunner.runner.spec_decode.drafter import Drafter
+from jaxrunner.runner.spec_decode.ngram import NgramDrafter, num_valid_drafts
 from jaxrunner.runner.states import DeviceState
 from jaxrunner.sample.logprobs import LogprobsTensors, compute_logprobs
 from jaxrunner.sample.rejection_sampler import rejection_sample
-from jaxrunner.sample.sampler import prepare_logits, sample
+from jaxrunner.sample.sampler import logprobs_of, prepare_logits, sample
 
 ParamLeaves = list[jax.Array]
 """A module's parameters as the flat list of their leaves."""
@@ -52,6 +53,12 @@ class StepStatics:
     max_num_reqs: int
     num_spec: int
     sampler_config: SamplerConfig
+    ngram: NgramDrafter | None = None  # proposes n-gram drafts on the device (method "ngram_gpu")
+
+    @property
+    def drafts_on_device(self) -> bool:
+        """Whether the sampling program leaves the next step's drafts in ``DeviceState.draft_tokens``."""
+        return self.drafter is not None or self.ngram is not None
 
     def model(self, param_leaves: ParamLeaves, kv_scales: nnx.State | None = None) -> CausalLM:
         """The model, rebuilt from its graph and the flat parameter leaves, with ``kv_scales`` (the
@@ -114,14 +121,17 @@ def sample_step(
     sample_hidden: Float[Array, "max_reqs num_spec_plus_1 hidden_size"],
     rows: SampleRows,
     state: DeviceState,
-    grammar_bitmask: Int[Array, "num_rows bitmask_words"] | None,
-    grammar_active: Bool[Array, " num_rows"] | None,
+    grammar_bitmask: Int[Array, "num_logits_rows bitmask_words"] | None,
+    grammar_active: Bool[Array, " num_logits_rows"] | None,
     *,
     num_rows: int,
     plain: bool = False,
 ) -> tuple[KVCaches, DeviceState, Int[Array, "num_rows num_spec_plus_1"], LogprobsTensors | None]:
     """Logits, sampling (or verification of drafts), the post-update, and the next drafts.
 
+    The grammar's bitmask has a row per logits row: ``num_rows * (num_spec + 1)``,
+    row ``r * (num_spec + 1) + j`` for request row r's logits after its draft j - 1.
+    The logprobs are of the emitted tokens, one row per logits row likewise.
     ``plain``: the batch uses no sampling stage before the draw and asks for no
     logprobs (``sample``'s plain path; without drafts only).
     """
@@ -145,32 +155,9 @@ def sample_step(
         tokens = output.sampled_token_ids[:, None]
         state = post_update(state, rows, tokens, jnp.ones(num_rows, jnp.int32))
         return draft_kv, state, tokens, output.logprobs
-    # Verification: every logits row of a request goes through the full pipeline.
-    # Penalty counts and bad-word history are the ones from before this step
-    # for all of a request's rows (drafts ahead of a row are not counted).
-    k1 = statics.num_spec + 1
-    flat = lambda a: a.reshape(num_rows * k1, *a.shape[2:])
-    repeat = lambda a: jnp.repeat(a, k1, axis=0)
-    unflat = lambda a: a.reshape(num_rows, k1, *a.shape[1:])
-    prepared = prepare_logits(
-        model.compute_logits(flat(sample_hidden[:num_rows])),
-        state.sampling,
-        state.token_ids,
-        repeat(head.idx_mapping),
-        flat(head.positions),
-        repeat(grammar_bitmask),
-        repeat(grammar_active),
-    )
-    verify = jnp.where(prepared.is_greedy[:, None], prepared.processed, prepared.tempered)
-    tokens, num_sampled = rejection_sample(
-        unflat(verify),
-        head.draft_tokens,
-        head.num_drafts,
-        None,
-        unflat(prepared.is_greedy)[:, 0],
-        prepared.rows.seed_lo[::k1],
-        prepared.rows.seed_hi[::k1],
-        head.positions,
+    assert grammar_bitmask is not None and grammar_active is not None, "verification applies the grammar"
+    state, tokens, num_sampled, logprobs = _verify_drafts(
+        statics, model, sample_hidden[:num_rows], head, state, grammar_bitmask, grammar_active
     )
     state = post_update(state, rows, tokens, num_sampled)
     if statics.drafter is not None:
@@ -179,7 +166,76 @@ def sample_step(
             sample_hidden[:num_rows], jnp.maximum(num_sampled - 1, 0)[:, None, None], axis=1
         )[:, 0]
         draft_kv, state = _propose_on_device(statics, model, draft_leaves, draft_kv, state, head, features)
-    return draft_kv, state, tokens, None
+    elif statics.ngram is not None:
+        state = _propose_ngram(statics.ngram, state, head)
+    return draft_kv, state, tokens, logprobs
+
+
+def _verify_drafts(
+    statics: StepStatics,
+    model: CausalLM,
+    sample_hidden: Float[Array, "num_rows num_spec_plus_1 hidden_size"],
+    head: SampleRows,
+    state: DeviceState,
+    grammar_bitmask: Int[Array, "num_logits_rows bitmask_words"],
+    grammar_active: Bool[Array, " num_logits_rows"],
+) -> tuple[DeviceState, Int[Array, "num_rows num_spec_plus_1"], Int[Array, " num_rows"], LogprobsTensors]:
+    """Rejection sampling of each row's drafts: the state with the drafts in ``token_ids``, the
+    emitted tokens (-1 after them), their number, and their logprobs (a row per logits row).
+
+    Every logits row goes through the full pipeline, row j (after draft j - 1) with the
+    drafts before it as generated tokens: the bad words' history reads them from
+    ``token_ids``, the penalties count them, as one step at a time would.
+    """
+    num_rows, k1 = sample_hidden.shape[:2]
+    config = statics.sampler_config
+    flat = lambda a: a.reshape(num_rows * k1, *a.shape[2:])
+    repeat = lambda a: jnp.repeat(a, k1, axis=0)
+    unflat = lambda a: a.reshape(num_rows, k1, *a.shape[1:])
+    num_drafts = num_valid_drafts(head.draft_tokens, head.num_drafts)
+    drafts = jnp.where(jnp.arange(k1 - 1)[None, :] < num_drafts[:, None], head.draft_tokens, -1)
+    state = _write_drafts(state, head, drafts)
+    ahead = jnp.where(jnp.arange(k1 - 1)[None, None, :] < jnp.arange(k1)[None, :, None], drafts[:, None], -1)
+    prepared = prepare_logits(
+        model.compute_logits(flat(sample_hidden)),
+        state.sampling,
+        state.token_ids,
+        repeat(head.idx_mapping),
+        flat(head.positions),
+        grammar_bitmask,
+        grammar_active,
+        flat(ahead),
+    )
+    verify = jnp.where(prepared.is_greedy[:, None], prepared.processed, prepared.tempered)
+    tokens, num_sampled = rejection_sample(
+        unflat(verify),
+        head.draft_tokens,
+        num_drafts,
+        None,
+        unflat(prepared.is_greedy)[:, 0],
+        prepared.rows.seed_lo[::k1],
+        prepared.rows.seed_hi[::k1],
+        head.positions,
+    )
+    logprobs = logprobs_of(prepared, flat(jnp.maximum(tokens, 0)), config.max_logprobs, config.logprobs_mode)
+    return state, tokens, num_sampled, logprobs
+
+
+def _write_drafts(state: DeviceState, head: SampleRows, drafts: Int[Array, "num_rows num_spec"]) -> DeviceState:
+    """The drafts (-1: none) in ``token_ids`` after each row's first input position, where the
+    accepted ones stay; the rejected ones lie past the request's tokens, where nothing reads them."""
+    k = drafts.shape[1]
+    rows = jnp.where(drafts >= 0, head.idx_mapping[:, None], state.token_ids.shape[0])
+    positions = head.positions[:, :1] + 1 + jnp.arange(k)[None, :]
+    return dataclasses.replace(state, token_ids=state.token_ids.at[rows, positions].set(drafts, mode="drop"))
+
+
+def _propose_ngram(ngram: NgramDrafter, state: DeviceState, head: SampleRows) -> DeviceState:
+    """Next step's n-gram drafts from each row's history, which ends at its last accepted token
+    (the next step's first input, at position ``num_computed_tokens``), left on the device."""
+    lengths = state.num_computed_tokens.at[head.idx_mapping].get(mode="fill", fill_value=0) + 1
+    drafts = ngram.propose(state.token_ids, head.idx_mapping, lengths)
+    return dataclasses.replace(state, draft_tokens=state.draft_tokens.at[head.idx_mapping].set(drafts, mode="drop"))
 
 
 def decode_steps(

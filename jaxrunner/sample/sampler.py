@@ -105,20 +105,34 @@ def process_logits(
     history: Int[Array, "num_rows history_len"],
     grammar_bitmask: Int[Array, "num_rows bitmask_words"],
     grammar_active: Bool[Array, " num_rows"],
+    ahead: Int[Array, "num_rows num_ahead"] | None = None,
 ) -> Logits:
-    """The stages before temperature; ``s`` holds the batch's rows, ``rows`` is ``stage_rows(s, ...)``."""
+    """The stages before temperature; ``s`` holds the batch's rows, ``rows`` is ``stage_rows(s, ...)``.
+
+    ``ahead`` lists, per row, output tokens not in ``s.output_counts`` yet (-1 pads):
+    a verified draft row's drafts before it, which the penalties count as generated.
+    """
     logits = _when(
         jnp.any(rows["allowed_token_ids"]), lambda x: apply_token_bitmask(x, s.allowed, s.has_allowed), logits
     )
     logits = _when(jnp.any(grammar_active), lambda x: apply_token_bitmask(x, grammar_bitmask, grammar_active), logits)
     logits = _when(jnp.any(rows["logit_bias"]), lambda x: apply_logit_bias(x, s.bias_ids, s.bias_values), logits)
     logits = _when(jnp.any(rows["min_tokens"]), lambda x: apply_min_tokens(x, s.stop_ids, rows["min_tokens"]), logits)
-    logits = _when(
-        jnp.any(rows["penalties"]),
-        lambda x: apply_penalties(x, s.prompt_bitmask, s.output_counts, s.repetition, s.frequency, s.presence),
-        logits,
-    )
+
+    def penalize(x: Logits) -> Logits:
+        counts = s.output_counts if ahead is None else count_tokens(s.output_counts, ahead)
+        return apply_penalties(x, s.prompt_bitmask, counts, s.repetition, s.frequency, s.presence)
+
+    logits = _when(jnp.any(rows["penalties"]), penalize, logits)
     return _when(jnp.any(rows["bad_words"]), lambda x: apply_bad_words(x, s.bad_words, history), logits)
+
+
+def count_tokens(
+    counts: Int[Array, "num_rows vocab_size"], tokens: Int[Array, "num_rows num_tokens"]
+) -> Int[Array, "num_rows vocab_size"]:
+    """``counts`` with each row's ``tokens`` (-1 pads) added."""
+    rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], tokens.shape)
+    return counts.at[rows, jnp.where(tokens >= 0, tokens, counts.shape[1])].add(1, mode="drop")
 
 
 @jax.tree_util.register_dataclass
@@ -141,13 +155,17 @@ def prepare_logits(
     positions: Int[Array, " num_rows"],
     grammar_bitmask: Int[Array, "num_rows bitmask_words"],
     grammar_active: Bool[Array, " num_rows"],
+    ahead: Int[Array, "num_rows num_ahead"] | None = None,
 ) -> PreparedLogits:
-    """Row i uses the state of request slot ``idx_mapping[i]``; ``positions`` is its last input's."""
+    """Row i uses the state of request slot ``idx_mapping[i]``; ``positions`` is its last input's.
+
+    ``ahead``: per row, generated tokens the output counts do not hold yet (``process_logits``).
+    """
     raw = logits.astype(jnp.float32)
     s = _rows(sampling, idx_mapping)
     history = _history(token_ids, idx_mapping, positions, s.bad_words.shape[-1] - 1)
     rows = stage_rows(s, positions)
-    processed = process_logits(raw, s, rows, history, grammar_bitmask, grammar_active)
+    processed = process_logits(raw, s, rows, history, grammar_bitmask, grammar_active, ahead)
     is_greedy = s.temperature <= 0.0
     tempered = _temper(processed, is_greedy, s.temperature)
     tempered = _when(
@@ -229,8 +247,15 @@ def sample(
     assert grammar_bitmask is not None and grammar_active is not None, "the full path applies the grammar"
     prepared = prepare_logits(logits, sampling, token_ids, idx_mapping, positions, grammar_bitmask, grammar_active)
     tokens = draw(prepared, positions)
+    return SamplerOutput(tokens, logprobs_of(prepared, tokens, max_logprobs, logprobs_mode))
+
+
+def logprobs_of(
+    prepared: PreparedLogits, tokens: Int[Array, " num_rows"], max_logprobs: int, logprobs_mode: str
+) -> LogprobsTensors:
+    """The logprobs (vLLM's ``logprobs_mode``) of ``tokens`` and the top ``max_logprobs``, per row:
+    of the raw logits or of the distribution drawn from, normalized or as logits."""
     source = prepared.raw if logprobs_mode.startswith("raw") else prepared.tempered
-    logprobs = compute_logprobs(
+    return compute_logprobs(
         source, tokens, prepared.rows.num_logprobs, max_logprobs, normalize=logprobs_mode.endswith("logprobs")
     )
-    return SamplerOutput(tokens, logprobs)
