@@ -133,6 +133,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="turn on n-gram speculative decoding with this many drafts per step; unset: off",
     )
+    parser.add_argument(
+        "--speculative-method",
+        choices=("ngram", "ngram_gpu"),
+        default="ngram",
+        help="vLLM's n-gram proposers: 'ngram' proposes on the host (one step at a time), "
+        "'ngram_gpu' on the device (steps overlap under async scheduling)",
+    )
     parser.add_argument("--debug", action="store_true", help="show an error's traceback, not only its message")
 
 
@@ -141,7 +148,10 @@ def _make_llm(args: argparse.Namespace) -> engine_llm.LLM:
     check_model_name(args.model)
     kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS}
     if args.num_speculative_tokens is not None:
-        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+        kwargs["speculative_config"] = {
+            "method": args.speculative_method,
+            "num_speculative_tokens": args.num_speculative_tokens,
+        }
     return engine_llm.LLM(
         args.model,
         enable_prefix_caching=not args.no_prefix_caching,

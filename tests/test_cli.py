@@ -137,3 +137,17 @@ def test_generate_says_the_weights_are_random_and_prints_token_ids_beside_the_te
     ids = re.fullmatch(r"    output token ids: \[(.*)\]", out[3])
     assert ids is not None and len(ids.group(1).split(", ")) == 4
     assert re.fullmatch(r"4 output tokens in [\d.]+ s: [\d.]+ tokens/s", out[4])
+
+
+@pytest.mark.parametrize("method", ["ngram", "ngram_gpu"])
+def test_speculative_flags_reach_the_engine_as_vllms_speculative_config(method, monkeypatch):
+    built = {}
+
+    def build(model, **kwargs):
+        built.update(kwargs)
+        raise SystemExit(0)  # stop before loading anything
+
+    monkeypatch.setattr("jaxrunner.engine.llm.LLM", build)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--num-speculative-tokens=3", f"--speculative-method={method}", *SMALL_ENGINE])
+    assert built["speculative_config"] == {"method": method, "num_speculative_tokens": 3}
