@@ -37,7 +37,7 @@ def reset_runner(runner: ModelRunner) -> None:
         runner.draft_kv_caches = allocate_kv_caches(runner.drafter.kv_spec, runner.num_blocks, runner.kv_cache_sharding)
     state = runner.fresh_device_state()
     scales = (runner.device_state.kv_scales, runner.device_state.draft_kv_scales)
-    if not _lost(scales):  # computed ones (calculate_kv_scales) stay, as the KV cache they scale does
+    if not _lost(scales):  # computed ones (calculate_kv_scales) are kept: vLLM computes them once
         state = dataclasses.replace(state, kv_scales=scales[0], draft_kv_scales=scales[1])
     runner.device_state = state
 
