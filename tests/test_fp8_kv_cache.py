@@ -349,7 +349,22 @@ def test_prefix_caching_chunking_and_preemption_change_no_fp8_output(cache_dir):
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])
 def test_speculative_decoding_over_fp8_caches_equals_no_speculation(method, cache_dir, tmp_path):
-    """The drafter's cache is FP8 too, with its own computed scales; greedy outputs are the target's."""
+    """The drafter's cache is FP8 too, with its own computed scales; greedy outputs are the target's.
+
+    One step at a time, because under async scheduling the steps are cut
+    otherwise and FP8 rounding turns that into another token, not a bug. With
+    max_num_seqs=4 the 1-token prompt (PROMPTS[4]) waits for a free slot; without
+    speculation it prefills alone (token bucket 8), the async speculative run
+    prefills it beside three other prompts (bucket 64). The two programs' float32
+    results differ in the last bits (its first token's logprob agrees to < 1e-6),
+    and one element of its layer-1 key at position 0 lies at the midpoint of two
+    FP8 values (-200 in scale units, between -192 and -208): it is stored one
+    FP8 step apart in the two runs, every other element of its KV and its
+    slot's device state being equal. Attention over a context of one or two
+    tokens does not average that step away: its later logprobs move by up to
+    7.5e-3 and a token flips. Longer prompts, float32 caches, unit scales (other
+    rounding midpoints) and max_num_seqs=8 (the same batches) agree.
+    """
     from test_spec_decode import save_tiny_eagle_head
 
     fp8 = dict(kv_cache_dtype="fp8", calculate_kv_scales=True)
@@ -358,8 +373,6 @@ def test_speculative_decoding_over_fp8_caches_equals_no_speculation(method, cach
         save_tiny_eagle_head(tmp_path)
     draft = "tiny-llama" if method == "draft_model" else str(tmp_path)
     spec = {"method": method, "num_speculative_tokens": 3, "model": draft}
-    # One step at a time: async scheduling cuts the steps otherwise (no drafts in the first decode), and
-    # FP8 rounding turns the last-bit differences of other programs into another token now and then.
     llm = tiny_llm(cache_dir, speculative_config=spec, async_scheduling=False, **fp8)
     compiled = CompileCounter.count()
     assert _greedy(llm, PROMPTS) == plain

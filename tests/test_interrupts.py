@@ -22,9 +22,11 @@ import jax
 import numpy as np
 import pytest
 from runner_driver import tiny_llm
+from test_spec_decode_async import spec
 
 from jaxrunner import SamplingParams
 from jaxrunner.engine.llm import LLM
+from jaxrunner.runner.spec_decode.ngram import NO_DRAFT
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -56,10 +58,32 @@ def deadline():
     signal.signal(signal.SIGALRM, previous)
 
 
+# Engines the core checks run on: plain, and speculative under async scheduling (drafts, rejected
+# counts and a draft model's KV cache on the device), on fewer buckets to compile. The draft model's
+# cache of 12 blocks preempts requests whose drafts are in flight.
+SPEC_BUCKETS: dict[str, Any] = {"token_buckets": [16, 64], "request_buckets": [4]}
+ENGINE_OPTIONS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "ngram_gpu": {"speculative_config": spec("ngram_gpu"), **SPEC_BUCKETS},
+    "draft_model": {
+        "speculative_config": spec("draft_model", model="tiny-llama"),
+        "num_gpu_blocks_override": 12,
+        **SPEC_BUCKETS,
+    },
+}
+EVERY_ENGINE = pytest.mark.parametrize("engine_kind", list(ENGINE_OPTIONS), indirect=True)
+
+
 @pytest.fixture(scope="module")
-def llm(cache_dir):
+def engine_kind(request) -> str:
+    """Which of ``ENGINE_OPTIONS`` the module's engines are: "plain" unless a test asks for others."""
+    return getattr(request, "param", "plain")
+
+
+@pytest.fixture(scope="module")
+def llm(cache_dir, engine_kind):
     """One engine (async scheduling, prefix caching) that every test interrupts again and again."""
-    return tiny_llm(cache_dir)
+    return tiny_llm(cache_dir, **ENGINE_OPTIONS[engine_kind])
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +119,15 @@ def assert_nothing_left(llm: LLM) -> None:
     runner = engine.runner
     assert runner.req_states.req_id_to_index == {} and runner.req_states.num_staged == 0, "runner slots leaked"
     assert runner.execute_model_state is None
-    buffers = jax.tree.leaves((runner.kv_caches, runner.device_state))
+    buffers = jax.tree.leaves((runner.kv_caches, runner.draft_kv_caches, runner.device_state))
     assert not any(b.is_deleted() for b in buffers), "the runner holds donated buffers"
+
+
+def assert_no_draft_left(llm: LLM) -> None:
+    """After a recovery: no slot holds drafts on the device (the next occupant must not verify them)."""
+    runner = llm.llm_engine.runner
+    if runner.num_spec:
+        assert (np.asarray(runner.device_state.draft_tokens) == NO_DRAFT).all(), "drafts left in freed slots"
 
 
 def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
@@ -151,6 +182,7 @@ def _duration(call) -> float:
     return time.perf_counter() - start
 
 
+@EVERY_ENGINE
 @pytest.mark.parametrize("entry", [greedy_tokens, streamed_tokens], ids=["generate", "stream"])
 def test_keyboard_interrupts_at_random_moments(llm, fresh, entry):
     duration = min(_duration(lambda: entry(llm)) for _ in range(3))  # delays fall inside the calls
@@ -167,6 +199,7 @@ def test_keyboard_interrupts_at_random_moments(llm, fresh, entry):
     assert interrupted >= 8, f"only {interrupted} of 16 calls were interrupted: the delays miss the calls"
 
 
+@EVERY_ENGINE
 @pytest.mark.parametrize("program_call", [0, 1, 2, 5, 9])
 def test_an_interrupt_after_a_program_took_its_donated_buffers(llm, fresh, monkeypatch, program_call):
     """The interrupt lands after the runner's ``program_call``-th program call took its donated inputs
@@ -187,13 +220,14 @@ def test_an_interrupt_after_a_program_took_its_donated_buffers(llm, fresh, monke
         greedy_tokens(llm)
     monkeypatch.undo()
     assert_nothing_left(llm)
+    assert_no_draft_left(llm)
     assert greedy_tokens(llm) == fresh
 
 
 @pytest.fixture(scope="module")
-def reference(cache_dir):
-    """A second engine, never interrupted: what a fresh engine returns."""
-    return tiny_llm(cache_dir)
+def reference(cache_dir, engine_kind):
+    """A second engine of the same kind, never interrupted: what a fresh engine returns."""
+    return tiny_llm(cache_dir, **ENGINE_OPTIONS[engine_kind])
 
 
 def test_a_step_cut_short_ends_each_prompt_of_the_engine_with_an_abort_output(llm, fresh, monkeypatch):
@@ -224,6 +258,7 @@ def test_a_step_cut_short_ends_each_prompt_of_the_engine_with_an_abort_output(ll
     assert greedy_tokens(llm) == fresh
 
 
+@EVERY_ENGINE
 @pytest.mark.parametrize(
     "where",
     [
@@ -257,6 +292,7 @@ def test_an_exception_that_cuts_a_step_short(llm, reference, monkeypatch, where)
         streamed_tokens(llm, prompts)
     monkeypatch.undo()
     assert_nothing_left(llm)
+    assert_no_draft_left(llm)
     assert greedy_tokens(llm, prompts) == greedy_tokens(reference, prompts)
 
 

@@ -21,6 +21,7 @@ from jaxtyping import Array, Int
 from jaxrunner.config import SamplerConfig
 from jaxrunner.interfaces import NewRequestData
 from jaxrunner.runner.packed_rows import RowLayout
+from jaxrunner.runner.spec_decode.ngram import NO_DRAFT
 from jaxrunner.sample.sampling_state import (
     SamplingArrays,
     pack_sampling_params,
@@ -53,7 +54,7 @@ class DeviceState:
     last_sampled_tokens: Int[Array, " max_reqs"]
     block_table: Int[Array, "max_reqs max_blocks_per_req"]
     sampling: SamplingArrays
-    # Drafts a draft model proposed on the device for each request's next step.
+    # Drafts a proposer on the device left for each request's next step (NO_DRAFT: none, as in a new slot).
     draft_tokens: Int[Array, "max_reqs num_spec"]
     # The KV cache scales in use (the model's and the drafter's ``KVScale`` variables): the loaded ones, or
     # pending ones the first writes set (``calculate_kv_scales``); they override the parameters' copies.
@@ -78,7 +79,7 @@ class DeviceState:
             last_sampled_tokens=jnp.zeros(max_num_reqs, jnp.int32),
             block_table=jnp.zeros((max_num_reqs, max_blocks), jnp.int32),
             sampling=SamplingArrays.zeros(max_num_reqs, config, vocab_size),
-            draft_tokens=jnp.zeros((max_num_reqs, num_spec), jnp.int32),
+            draft_tokens=jnp.full((max_num_reqs, num_spec), NO_DRAFT, jnp.int32),
         )
 
 
