@@ -78,8 +78,9 @@ def make_runner(
     return runner
 
 
-def tiny_llm(cache_dir: str, **overrides: Any) -> LLM:
-    """The built-in tiny model's engine at the small limits and buckets the engine tests share, ``overrides`` on top."""
+def tiny_llm(cache_dir: str, model: str = "tiny-llama", /, **overrides: Any) -> LLM:
+    """``model``'s engine (the built-in tiny model by default) at the small limits and buckets the engine tests
+    share, ``overrides`` on top."""
     limits: dict[str, Any] = dict(
         max_num_seqs=4,
         max_num_batched_tokens=64,
@@ -88,7 +89,7 @@ def tiny_llm(cache_dir: str, **overrides: Any) -> LLM:
         request_buckets=[2, 4],
         compilation_cache_dir=cache_dir,
     )
-    return LLM("tiny-llama", **(limits | overrides))
+    return LLM(model, **(limits | overrides))
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import transformers
 from flax import nnx
+from runner_driver import tiny_llm
 from safetensors.numpy import save_file
 from test_engine import _dispatch_order
 from test_spec_decode import assert_same_logprobs
@@ -79,17 +80,7 @@ def checkpoints(tmp_path_factory):
 
 
 def make_llm(cache_dir: str, model: str, **overrides) -> LLM:
-    return LLM(
-        model,
-        dtype="float32",
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        num_gpu_blocks_override=200,
-        token_buckets=[8, 16, 32, 64],
-        request_buckets=[2, 4],
-        compilation_cache_dir=cache_dir,
-        **overrides,
-    )
+    return tiny_llm(cache_dir, model, dtype="float32", **overrides)
 
 
 def prompts() -> list[list[int]]:

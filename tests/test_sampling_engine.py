@@ -13,6 +13,7 @@ import torch
 import transformers
 from hf_models import save_tiny_hf_model
 from scipy import stats
+from test_structured_outputs import SCHEMA
 
 from jaxrunner.config import SamplerConfig
 from jaxrunner.engine.llm import LLM
@@ -364,17 +365,7 @@ def test_json_schema_generations_parse_and_validate(cache_dir):
         request_buckets=[2, 8],
         compilation_cache_dir=cache_dir,
     )
-    schema = {
-        "type": "object",
-        "properties": {
-            "color": {"enum": ["red", "green", "blue"]},
-            "size": {"type": "integer", "minimum": 0, "maximum": 999},
-            "ok": {"type": "boolean"},
-        },
-        "required": ["color", "size", "ok"],
-        "additionalProperties": False,
-    }
-    constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_outputs=constraint) for s in range(20)]
     outputs = llm.generate(["Give JSON:"] * 20, params, use_tqdm=False)
     for output in outputs:
