@@ -19,6 +19,7 @@ from test_attention_reference import LONG, MIXED, ODD, Case, _check, _make_input
 from jaxrunner.compat import mosaic_gpu_interpreter
 from jaxrunner.ops import AttentionMetadata, ragged_paged_attention
 from jaxrunner.ops.attention_mgpu import (
+    FP8_PREFILL_COMPUTE_REGISTERS,
     SHARED_MEMORY_BYTES,
     KernelConfig,
     choose_config,
@@ -86,16 +87,23 @@ def test_interpreted_kernel_matches_reference(case, config, tol):
 @pytest.mark.parametrize(
     "case, config, cache_dtype",
     [
-        # Decode-like: one compute warpgroup, 4-page stages over a 2-deep ring (refills), split in two.
+        # Decode-like: one compute warpgroup, 4-page stages over a 2-deep ring (refills) widened into
+        # a 2-deep ring, split in two.
         (
             Case(reqs=MIXED, dtype=jnp.bfloat16, **SMALL),
             KernelConfig(4, 2, 1, 2, accumulate_in_place=True),
             jnp.float8_e4m3fn,
         ),
-        # Odd lengths, one-page stages, two compute warpgroups each widening the stage for itself.
-        (Case(reqs=ODD, dtype=jnp.bfloat16, **SMALL), KernelConfig(1, 3, 2, 1), jnp.float8_e5m2),
+        # Odd lengths, one-page stages, two compute warpgroups reading a widened ring deeper than
+        # the FP8 ring, and a widened ring of one stage.
+        (Case(reqs=ODD, dtype=jnp.bfloat16, **SMALL), KernelConfig(1, 2, 2, 1, num_widened_stages=3), jnp.float8_e5m2),
+        (
+            Case(reqs=ODD, dtype=jnp.bfloat16, **SMALL),
+            KernelConfig(2, 3, 1, 1, num_widened_stages=1),
+            jnp.float8_e4m3fn,
+        ),
     ],
-    ids=["e4m3-mixed-split", "e5m2-odd-2wg"],
+    ids=["e4m3-mixed-split", "e5m2-odd-2wg", "e4m3-odd-one-widened"],
 )
 def test_interpreted_kernel_over_fp8_cache_matches_reference(case, config, cache_dtype):
     """FP8 pages widened on chip give the reference's attention over the same values."""
@@ -245,6 +253,8 @@ def test_kernel_lowers_for_cuda_with_every_config_it_may_run(case, switches, hea
         num_tokens, num_reqs, 4, 8, head_dim, 16, max_blocks, itemsize, cache_itemsize=cache_itemsize
     )
     config = dataclasses.replace(config, **SWITCHES[switches])
+    if cache_dtype is not None and config.compute_registers:  # leave the widening copy warpgroup its registers
+        config = dataclasses.replace(config, compute_registers=FP8_PREFILL_COMPUTE_REGISTERS)
     lowered = _lower_for_cuda(num_tokens, num_reqs, max_blocks, head_dim, dtype, config, cache_dtype)
     assert "mosaic_gpu" in lowered.as_text()
 

@@ -15,6 +15,7 @@ from jaxrunner.ops.attention_mgpu.schedule import (
 )
 from jaxrunner.ops.attention_mgpu.tuning import (
     FP8_CACHE_DTYPES,
+    FP8_PREFILL_COMPUTE_REGISTERS,
     QUERY_DTYPES,
     SHARED_MEMORY_BYTES,
     KernelConfig,
@@ -28,6 +29,7 @@ from jaxrunner.ops.attention_mgpu.wrapper import compute_dtype, prepare_tiles, r
 
 __all__ = [
     "FP8_CACHE_DTYPES",
+    "FP8_PREFILL_COMPUTE_REGISTERS",
     "QUERY_DTYPES",
     "SHARED_MEMORY_BYTES",
     "KernelConfig",

@@ -13,11 +13,12 @@ compute warpgroup holds 64 rows of the tile and all walk the same KV stages.
 * Flash decoding. With ``num_kv_splits > 1`` each tile's KV range is cut into that
   many contiguous stage ranges, each written as a partial output (in q's dtype)
   with its log-sum-exp, for the wrapper to combine.
-* FP8 caches. Pages arrive by TMA as FP8 (half the bytes of bf16); each compute
-  warpgroup widens a stage's keys and values to q's 16-bit dtype into shared
-  memory of its own, releases the FP8 stage at once, and runs wgmma on the
-  widened copy. Widening is exact (every FP8 value is a float16); the cache's
-  scales are applied outside the kernel.
+* FP8 caches. Pages arrive by TMA as FP8 (half the bytes of bf16); the copy
+  warpgroup widens each stage's keys and values to q's 16-bit dtype into a second
+  ring (``num_widened_stages`` deep), refills the FP8 stage, and the compute
+  warpgroups run wgmma on the widened stages exactly as on a 16-bit ring: the
+  widening stays off their per-stage chain. Widening is exact (every FP8 value is
+  a float16); the cache's scales are applied outside the kernel.
 
 Queries come from, and outputs go to, the schedule's packed buffers: each warpgroup
 copies in its 64 rows as eight 8-row granules (past the tile's last granule, that
@@ -51,6 +52,10 @@ from jaxrunner.ops.attention_mgpu.tuning import ROWS_PER_WG, KernelConfig
 
 COPY_REGISTERS = 40
 """Registers per thread left to the copy warpgroup when compute warpgroups take more."""
+WIDENING_COPY_REGISTERS = 88
+"""The same for a copy warpgroup that also widens FP8 stages (64 keys at a time)."""
+WIDEN_ROWS = 64
+"""Keys widened at a time: one 64-row tile in the 8-bit wgmma layout."""
 
 MASKED = -1e30
 """Score of a masked key (log2 domain): finite, so fully masked rows never make NaN."""
@@ -84,6 +89,8 @@ def _kernel_body(
     n_wg = config.num_compute_wgs
     pages = config.pages_per_stage
     stages = config.num_stages
+    # The ring the compute warpgroups read: the TMA ring, or over an FP8 cache the widened ring.
+    operand_stages = config.num_widened_stages if widen else stages
     stage_keys = pages * block_size
     max_blocks = block_tables_ref.shape[1]
 
@@ -118,8 +125,26 @@ def _kernel_body(
     if sliding_window:
         full_lo = jnp.clip((kv_end - sliding_window + stage_keys - 1) // stage_keys, lo, full_hi)
 
-    def scoped(q_smem, lse_smem, k_smem, v_smem, k_wide, v_wide, q_bar, k_bar, v_bar, k_free, v_free, turn):
+    def scoped(
+        q_smem,
+        lse_smem,
+        k_smem,
+        v_smem,
+        k_wide,
+        v_wide,
+        q_bar,
+        k_bar,
+        v_bar,
+        k_wide_bar,
+        v_wide_bar,
+        k_free,
+        v_free,
+        turn,
+    ):
         wg = lax.axis_index("wg")
+        # Each operand stage's keys and values and their "ready" barriers; ``k_free`` / ``v_free`` release them.
+        k_ops, v_ops = (k_wide, v_wide) if widen else (k_smem, v_smem)
+        k_ready, v_ready = (k_wide_bar, v_wide_bar) if widen else (k_bar, v_bar)
 
         def rendezvous():
             """Both compute warpgroups meet; offset by one meeting, they alternate."""
@@ -160,15 +185,10 @@ def _kernel_body(
 
             def step(stage, carry, masked: bool):
                 acc, row_max, row_sum = carry
-                slot = lax.rem(stage - lo, stages)
-                plgpu.barrier_wait(k_bar.at[slot])
-                if widen:
-                    keys = _widened(k_smem.at[slot], k_wide.at[wg], interpreted)
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    s = _scores(q_smem.at[wg], keys, interpreted, rendezvous if config.pingpong else None)
-                else:
-                    s = _scores(q_smem.at[wg], k_smem.at[slot], interpreted, rendezvous if config.pingpong else None)
-                    plgpu.barrier_arrive(k_free.at[slot])
+                slot = lax.rem(stage - lo, operand_stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                s = _scores(q_smem.at[wg], k_ops.at[slot], interpreted, rendezvous if config.pingpong else None)
+                plgpu.barrier_arrive(k_free.at[slot])
                 if soft_cap:
                     s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2_E)
                 else:
@@ -181,17 +201,14 @@ def _kernel_body(
                 row_sum = row_sum * alpha + p.sum(axis=1)
                 if config.pingpong:  # softmax done; P V waits for the tensor cores' turn
                     plgpu.barrier_arrive(turn)
-                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.barrier_wait(turn)
                 else:
-                    plgpu.barrier_wait(v_bar.at[slot])
-                values = v_smem.at[slot]
-                if widen:
-                    values = _widened(values, v_wide.at[wg], interpreted)
-                    plgpu.barrier_arrive(v_free.at[slot])
-                acc = _accumulate_values(acc, alpha, p.astype(dtype), values, config.accumulate_in_place, interpreted)
-                if not widen:
-                    plgpu.barrier_arrive(v_free.at[slot])
+                    plgpu.barrier_wait(v_ready.at[slot])
+                acc = _accumulate_values(
+                    acc, alpha, p.astype(dtype), v_ops.at[slot], config.accumulate_in_place, interpreted
+                )
+                plgpu.barrier_arrive(v_free.at[slot])
                 return acc, row_max_new, row_sum
 
             carry = (acc, row_max, row_sum)
@@ -224,7 +241,7 @@ def _kernel_body(
         @pl.when(wg == n_wg)
         def _copy():
             if config.compute_registers:
-                plgpu.set_max_registers(COPY_REGISTERS, action="decrease")
+                plgpu.set_max_registers(WIDENING_COPY_REGISTERS if widen else COPY_REGISTERS, action="decrease")
 
             def page_ids(i):
                 """Cache pages of the tile's stage ``i``: read from the block table once for K and V."""
@@ -243,24 +260,44 @@ def _kernel_body(
             for i in range(stages):
                 pl.when(i < num_steps)(lambda i=i: issue(i, page_ids(i)))
 
-            @pl.loop(0, jnp.maximum(num_steps - stages, 0))
-            def _refill(i):
-                ids = page_ids(i + stages)  # the table reads overlap the wait for a free slot
-                slot = lax.rem(i, stages)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                issue(i + stages, ids)
+            if widen:
+
+                @pl.loop(0, num_steps)
+                def _widen(i):
+                    ids = page_ids(i + stages)  # the table reads overlap the waits
+                    slot = lax.rem(i, stages)
+                    wide_slot = lax.rem(i, operand_stages)
+                    for narrow, wide, landed, ready, free in (
+                        (k_smem, k_wide, k_bar, k_wide_bar, k_free),
+                        (v_smem, v_wide, v_bar, v_wide_bar, v_free),
+                    ):
+                        pl.when(i >= operand_stages)(lambda free=free: plgpu.barrier_wait(free.at[wide_slot]))
+                        plgpu.barrier_wait(landed.at[slot])
+                        _widen_stage(narrow.at[slot], wide.at[wide_slot], interpreted)
+                        plgpu.barrier_arrive(ready.at[wide_slot])
+                    pl.when(i + stages < num_steps)(lambda: issue(i + stages, ids))
+
+            else:
+
+                @pl.loop(0, jnp.maximum(num_steps - stages, 0))
+                def _refill(i):
+                    ids = page_ids(i + stages)  # the table reads overlap the wait for a free slot
+                    slot = lax.rem(i, stages)
+                    plgpu.barrier_wait(k_free.at[slot])
+                    plgpu.barrier_wait(v_free.at[slot])
+                    issue(i + stages, ids)
 
             # Observe the last releases too, so every barrier phase is waited on once.
-            @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+            @pl.loop(jnp.maximum(num_steps - operand_stages, 0), num_steps)
             def _drain(i):
-                slot = lax.rem(i, stages)
+                slot = lax.rem(i, operand_stages)
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
     tiled = _smem_transforms(dtype, head_dim)
     ring_tiled = _smem_transforms(k_ref.dtype, head_dim)
-    wide = plgpu.SMEM((n_wg, stage_keys, head_dim), dtype, transforms=tiled) if widen else None
+    wide = plgpu.SMEM((operand_stages, stage_keys, head_dim), dtype, transforms=tiled) if widen else None
+    wide_bar = plgpu.Barrier(num_arrivals=1, num_barriers=operand_stages) if widen else None
     pl.run_scoped(
         scoped,
         plgpu.SMEM((n_wg, ROWS_PER_WG, head_dim), dtype, transforms=tiled),
@@ -272,8 +309,10 @@ def _kernel_body(
         plgpu.Barrier(num_arrivals=GRANULES_PER_WG, num_barriers=n_wg),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),
+        wide_bar,
+        wide_bar,
+        plgpu.Barrier(num_arrivals=n_wg, num_barriers=operand_stages),
+        plgpu.Barrier(num_arrivals=n_wg, num_barriers=operand_stages),
         plgpu.Barrier(num_arrivals=n_wg) if config.pingpong else None,
         collective_axes="wg",
     )
@@ -331,18 +370,20 @@ def _accumulate_values(
     return acc * scale + pv_out
 
 
-def _widened(narrow_smem, wide_smem, interpreted: bool):
-    """One stage of an FP8 ring widened into the 16-bit copy wgmma reads, made visible to the tensor cores.
+def _widen_stage(narrow_smem, wide_smem, interpreted: bool) -> None:
+    """One stage of the FP8 ring widened into the 16-bit ring wgmma reads, made visible to the tensor cores.
 
-    Loaded in the 8-bit wgmma layout: four FP8 values (32 bits) a shared-memory load.
+    ``WIDEN_ROWS`` keys at a time, loaded in the 8-bit wgmma layout: four FP8 values (32 bits) a
+    shared-memory load.
     """
-    if interpreted:  # the interpreter takes no layout hints
-        narrow = narrow_smem[...]
-    else:
-        narrow = plgpu.load(narrow_smem, (), layout=plgpu.Layout.WGMMA_8BIT)
-    wide_smem[...] = narrow.astype(wide_smem.dtype)
+    for start in range(0, narrow_smem.shape[0], WIDEN_ROWS):
+        rows = pl.ds(start, min(WIDEN_ROWS, narrow_smem.shape[0] - start))
+        if interpreted:  # the interpreter takes no layout hints
+            narrow = narrow_smem[rows]
+        else:
+            narrow = plgpu.load(narrow_smem.at[rows], (), layout=plgpu.Layout.WGMMA_8BIT)
+        wide_smem[rows] = narrow.astype(wide_smem.dtype)
     plgpu.commit_smem()
-    return wide_smem
 
 
 def _wgmma_layout(x: Array) -> Array:

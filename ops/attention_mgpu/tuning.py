@@ -24,13 +24,16 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 QUERY_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """Queries (and the kernel's matmuls) in 16 bits; float32 would run wgmma in tf32."""
 FP8_CACHE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-"""FP8 caches the kernel reads, converting each stage to float16 on chip."""
+"""FP8 caches the kernel reads, its copy warpgroup converting each stage to float16 on chip."""
 SHARED_MEMORY_BYTES = (227 - 3) * 1024
 """Shared memory for a program's queries, ring and log-sum-exps: Hopper's 227 KiB a block, less
 3 KiB for the barriers and scratch the compiler allocates beside them."""
 PREFILL_COMPUTE_REGISTERS = 232
 """Registers per thread for each of two prefill compute warpgroups (the copy warpgroup drops to
-``kernel.COPY_REGISTERS``)."""
+``kernel.COPY_REGISTERS``, 40: 2 x 232 + 40 = 3 x 168, a 384-thread program's share of the register file)."""
+FP8_PREFILL_COMPUTE_REGISTERS = 208
+"""The same over an FP8 cache, whose copy warpgroup keeps ``kernel.WIDENING_COPY_REGISTERS`` (88) to widen
+stages: 2 x 208 + 88 = 3 x 168."""
 MIN_STAGES_PER_SPLIT = 2
 """A split shorter than this costs more in per-program setup and combining than it gains
 (``benchmarks/decisions/kv_splits.md``)."""
@@ -54,6 +57,9 @@ class KernelConfig:
     """Compute warpgroups per program (1 or 2); a tile holds 64 rows per warpgroup."""
     num_kv_splits: int
     """Programs sharing one tile's KV range (flash decoding); 1 for no split."""
+    num_widened_stages: int = 2
+    """Over an FP8 cache, stages of the 16-bit ring the copy warpgroup widens the FP8 ring into
+    (the compute warpgroups read that ring); unused over a 16-bit cache."""
     compute_registers: int | None = None
     """Registers per thread the compute warpgroups take from the copy warpgroup
     (``setmaxnreg``; the copy warpgroup drops to ``kernel.COPY_REGISTERS``); None leaves
@@ -101,14 +107,14 @@ def program_shared_memory(
     config: KernelConfig, head_dim: int, block_size: int, itemsize: int, cache_itemsize: int | None = None
 ) -> int:
     """Shared-memory bytes of one program's queries, K/V ring, (when split) log-sum-exps and
-    (over an FP8 cache, ``cache_itemsize`` 1) each compute warpgroup's 16-bit copy of a stage:
-    the part ``SHARED_MEMORY_BYTES`` bounds."""
+    (over an FP8 cache, ``cache_itemsize`` 1) the widened 16-bit ring: the part
+    ``SHARED_MEMORY_BYTES`` bounds."""
     cache_itemsize = cache_itemsize or itemsize
     stage_keys = config.pages_per_stage * block_size
     queries = config.num_compute_wgs * ROWS_PER_WG * head_dim * itemsize
     ring = config.num_stages * stage_keys * 2 * head_dim * cache_itemsize
     lse = config.num_compute_wgs * ROWS_PER_WG * 4 if config.num_kv_splits > 1 else 0
-    widened = config.num_compute_wgs * stage_keys * 2 * head_dim * itemsize if cache_itemsize < itemsize else 0
+    widened = config.num_widened_stages * stage_keys * 2 * head_dim * itemsize if cache_itemsize < itemsize else 0
     return queries + ring + lse + widened
 
 
@@ -160,15 +166,16 @@ def choose_config(
     (``benchmarks/history/RESULTS.md``: "The tuning table's neighbours" for decode,
     "Prefill schedule swept by device time" for prefill).
 
-    Over an FP8 cache (``cache_itemsize`` 1) the ring holds FP8 stages and each compute
-    warpgroup a 16-bit copy of one stage, taken from the same budget; stages stay at 64 keys.
+    Over an FP8 cache (``cache_itemsize`` 1) the ring holds FP8 stages beside two stages
+    widened to 16 bits, taken from the same budget; stages stay at 64 keys, and prefill's
+    compute warpgroups leave the copy warpgroup the registers it widens with.
     """
     cache_itemsize = cache_itemsize or itemsize
     decode_like = num_tokens * group <= num_reqs * ROWS_PER_WG
     n_wg = 1 if decode_like else 2
     key_bytes = 2 * head_dim * cache_itemsize  # one key's K and V in the ring
     query_bytes = n_wg * ROWS_PER_WG * head_dim * itemsize
-    widened_bytes = n_wg * 64 * 2 * head_dim * itemsize if cache_itemsize < itemsize else 0
+    widened_bytes = KernelConfig.num_widened_stages * 64 * 2 * head_dim * itemsize if cache_itemsize < itemsize else 0
     ring_bytes = (96 * 1024 if decode_like else SHARED_MEMORY_BYTES - query_bytes) - widened_bytes
     # Keys per stage: a multiple of 64 (the K of one 128-byte-swizzled bf16 wgmma), two stages in the ring.
     widest = 64 if decode_like or widened_bytes else 128
@@ -193,7 +200,7 @@ def choose_config(
         num_stages=2,
         num_compute_wgs=2,
         num_kv_splits=splits,
-        compute_registers=PREFILL_COMPUTE_REGISTERS,
+        compute_registers=FP8_PREFILL_COMPUTE_REGISTERS if widened_bytes else PREFILL_COMPUTE_REGISTERS,
         accumulate_in_place=True,
         pingpong=True,
         longest_first=True,
