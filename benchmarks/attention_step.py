@@ -347,9 +347,10 @@ def run_case(
     return row
 
 
-def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
+def candidate_configs(base: KernelConfig, widened: bool = False) -> dict[str, KernelConfig]:
     """The table's choice and its neighbours: each switch flipped (register split, in-place
-    accumulation, and with two compute warpgroups ping-pong and longest first), ring sizes, and
+    accumulation, and with two compute warpgroups ping-pong and longest first), ring sizes,
+    (over an FP8 cache, ``widened``) the widened ring's depth traded against the FP8 ring's, and
     (decode) split counts."""
     registers = (232 if base.num_compute_wgs == 2 else 216) if base.compute_registers is None else None
     flip = lambda **fields: dataclasses.replace(base, **fields)
@@ -360,6 +361,14 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
         "stages-1": flip(num_stages=max(base.num_stages - 1, 2)),
         "stages+1": flip(num_stages=base.num_stages + 1),
         "pages*2": flip(pages_per_stage=base.pages_per_stage * 2, num_stages=2),
+        **(
+            {
+                "widened-1,stages+2": flip(num_widened_stages=1, num_stages=base.num_stages + 2),
+                "widened+1": flip(num_widened_stages=base.num_widened_stages + 1),
+            }
+            if widened
+            else {}
+        ),
         **(
             {
                 "pingpong_flipped": flip(pingpong=not base.pingpong),
@@ -381,10 +390,16 @@ def candidate_configs(base: KernelConfig) -> dict[str, KernelConfig]:
 
 
 def sweep_case(
-    kind, batch, context, heads: Heads = LLAMA3_8B, block_size: int = BLOCK_SIZE, cache_dtype=jnp.bfloat16
+    kind,
+    batch,
+    context,
+    heads: Heads = LLAMA3_8B,
+    block_size: int = BLOCK_SIZE,
+    cache_dtype=jnp.bfloat16,
+    only_candidates: list[str] | None = None,
 ) -> dict:
-    """Time and check every candidate config of one case, and the shipped baseline in the same run;
-    the fastest correct config wins."""
+    """Time and check every candidate config of one case (those named in ``only_candidates``, if given),
+    and the shipped baseline in the same run; the fastest correct config wins."""
     q_lens, seq_lens = lengths(kind, batch, context)
     q, k_cache, v_cache, metadata = make_case(q_lens, seq_lens, heads, block_size, cache_dtype=cache_dtype)
     expected = widened_reference(heads)(q, k_cache, v_cache, metadata)
@@ -397,7 +412,10 @@ def sweep_case(
         "kv_bytes": kv_bytes(seq_lens, heads, jnp.dtype(cache_dtype).itemsize),
         "configs": {},
     }
-    for name, config in candidate_configs(base).items():
+    candidates = candidate_configs(base, widened=jnp.dtype(cache_dtype).itemsize < q.dtype.itemsize)
+    for name, config in candidates.items():
+        if only_candidates and name not in only_candidates:
+            continue
         entry: dict[str, Any] = {"config": dataclasses.asdict(config)}
         try:
             fn = jax.jit(
@@ -495,6 +513,7 @@ def main() -> None:
         help="cases kind:batch:context to run (default: CASES, or SWEEP_CASES with --sweep)",
     )
     parser.add_argument("--sweep", action="store_true", help="time the tuning table's neighbours instead")
+    parser.add_argument("--candidates", nargs="*", help="with --sweep, only these neighbours (e.g. table stages+1)")
     parser.add_argument("--kv-write", action="store_true", help="time the KV cache write's two implementations instead")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens a KV page holds")
     parser.add_argument(
@@ -528,7 +547,11 @@ def main() -> None:
         rows = []
         cases: list[tuple[str, int, int]] = args.only or SWEEP_CASES
         for kind, batch, context in cases:  # written after each case, so a cut-short run keeps what it measured
-            rows.append(sweep_case(kind, batch, context, heads, args.block_size, CACHE_DTYPES[args.cache_dtype]))
+            rows.append(
+                sweep_case(
+                    kind, batch, context, heads, args.block_size, CACHE_DTYPES[args.cache_dtype], args.candidates
+                )
+            )
             write_json(args.out, {**facts, "heads": args.heads, "block_size": args.block_size, "sweep": rows})
         return
     floors = measure_floors(args.floor_elements)

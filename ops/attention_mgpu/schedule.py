@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from jaxrunner.ops.attention_metadata import AttentionMetadata
 
@@ -90,7 +90,10 @@ def packed_queries(
     q: Float[Array, "num_tokens num_q_heads head_dim"], schedule: TileSchedule, num_kv_heads: int, num_granules: int
 ) -> Float[Array, "num_kv_heads packed_rows head_dim"]:
     """q as ``[num_kv_heads, num_granules * 8, head_dim]``: each tile's rows from its first granule on;
-    rows past a tile's valid ones, and granules no tile fills, are zero."""
+    rows past a tile's valid ones, and granules no tile fills, are zero.
+
+    One gather of whole ``head_dim`` rows of q (one query head of one token each) straight into
+    that layout: no transpose after it, and zero rows come from its fill value, not a select."""
     num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // num_kv_heads
     fields = schedule.fields
@@ -99,24 +102,27 @@ def packed_queries(
     row_in_tile = (granule - fields[tile, GRANULE0])[:, None] * GRANULE_ROWS + jnp.arange(GRANULE_ROWS)[None, :]
     valid = (row_in_tile < fields[tile, NUM_ROWS, None]).reshape(-1)
     row = (fields[tile, Q_ROW, None] + row_in_tile).reshape(-1)
-    token = jnp.where(valid, row // group, 0)
-    head_in_group = jnp.where(valid, row % group, 0)
-    grouped = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    rows = grouped[token, :, head_in_group]  # [num_granules * 8, num_kv_heads, head_dim]
-    rows = jnp.where(valid[:, None, None], rows, 0)
-    return rows.transpose(1, 0, 2)
+    kv_head = jnp.arange(num_kv_heads, dtype=jnp.int32)[:, None]
+    q_row = (row // group) * num_q_heads + kv_head * group + row % group  # [num_kv_heads, packed_rows]
+    q_row = jnp.where(valid, q_row, num_tokens * num_q_heads)  # past the end: filled with zeros
+    return jnp.take(q.reshape(-1, head_dim), q_row, axis=0, mode="fill", fill_value=0)
 
 
 def output_row_index(
-    metadata: AttentionMetadata, schedule: TileSchedule, num_tokens: int, group: int, tile_rows: int
-) -> tuple[Int[Array, "num_tokens group"], Bool[Array, " num_tokens"]]:
-    """Index of each (token, head-in-group) row in the packed output, and token validity."""
+    metadata: AttentionMetadata, schedule: TileSchedule, num_tokens: int, group: int, tile_rows: int, packed_shape
+) -> Int[Array, "num_tokens num_kv_heads group"]:
+    """Row of each (token, kv head, head-in-group) in the packed output viewed as
+    ``[num_kv_heads * packed_rows, head_dim]`` (``packed_shape``: ``(num_kv_heads, packed_rows)``);
+    padding tokens get a row past the end (a gather's fill)."""
     qsl = metadata.query_start_loc
     num_reqs = metadata.seq_lens.shape[0]
+    num_kv_heads, packed_rows = packed_shape
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     req = jnp.minimum(jnp.searchsorted(qsl[1:], token, side="right", method="compare_all"), num_reqs - 1)
     row_in_req = (token - qsl[req])[:, None] * group + jnp.arange(group, dtype=jnp.int32)[None, :]
     tile = schedule.tile_start[req][:, None] + row_in_req // tile_rows
-    index = schedule.fields[tile, GRANULE0] * GRANULE_ROWS + row_in_req % tile_rows
-    valid = token < qsl[-1]
-    return jnp.where(valid[:, None], index, 0), valid
+    index = schedule.fields[tile, GRANULE0] * GRANULE_ROWS + row_in_req % tile_rows  # [num_tokens, group]
+    kv_head = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+    rows = kv_head * packed_rows + index[:, None, :]
+    valid = (token < qsl[-1])[:, None, None]
+    return jnp.where(valid, rows, num_kv_heads * packed_rows)

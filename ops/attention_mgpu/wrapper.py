@@ -92,13 +92,15 @@ def ragged_paged_attention_mgpu(
         soft_cap=soft_cap,
         interpret=interpret,
     )
-    index, valid = output_row_index(metadata, schedule, num_tokens, group, config.tile_rows)
-    out = results[0][:, :, index]
-    if config.num_kv_splits > 1:
-        lse = results[1][:, :, index]
+    # One gather of whole rows from each split's packed output into [num_tokens, num_kv_heads, group, ...].
+    rows = output_row_index(metadata, schedule, num_tokens, group, config.tile_rows, results[0].shape[1:3])
+    splits = config.num_kv_splits
+    gather = lambda x: jnp.take(x.reshape(splits, -1, *x.shape[3:]), rows, axis=1, mode="fill", fill_value=0)
+    out = gather(results[0])
+    if splits > 1:  # padding rows: outputs 0 and log-sum-exps 0 in every split, so they combine to 0
+        lse = gather(results[1])
         weight = jnp.exp2(lse - lse.max(axis=0, keepdims=True))
         out = (out * weight[..., None]).sum(axis=0) / weight.sum(axis=0)[..., None]
     else:
         out = out[0]
-    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
-    return jnp.where(valid[:, None, None], out, 0).astype(out_dtype)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(out_dtype)
