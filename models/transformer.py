@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int
 
+from jaxrunner.models.lora import LoRABatch, LoRALayer, with_lora
 from jaxrunner.models.sharded_attention import write_and_attend
 from jaxrunner.ops import AttentionBackend, AttentionMetadata
 from jaxrunner.ops.kv_write import is_fp8
@@ -108,6 +109,20 @@ class TransformerConfig:
             len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(_LAYER_TYPES)
         ):
             raise ValueError(f"layer_types must be {self.num_layers} entries of {_LAYER_TYPES}, got {self.layer_types}")
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(in_features, out_features)`` of each of HF's Linear projections in a layer, by name."""
+        hidden, q_width = self.hidden_size, self.num_heads * self.head_dim
+        kv_width, features = self.num_kv_heads * self.head_dim, self.intermediate_size
+        return {
+            "q_proj": (hidden, q_width),
+            "k_proj": (hidden, kv_width),
+            "v_proj": (hidden, kv_width),
+            "o_proj": (q_width, hidden),
+            "gate_proj": (hidden, features),
+            "up_proj": (hidden, features),
+            "down_proj": (features, hidden),
+        }
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The sliding window of ``layer``, or None where it attends to the whole sequence."""
@@ -316,10 +331,11 @@ class Attention(nnx.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         attention_backend: AttentionBackend | None = None,
+        lora: LoRALayer | None = None,
     ) -> tuple[Float[Array, "num_tokens hidden_size"], KVCache]:
         t = x.shape[0]
         # [num_tokens, num_kv_heads, slots, head_dim]; query head h reads KV head h // group
-        q, k, v = self.qkv_proj(x)
+        q, k, v = (with_lora(y, lora, name, x) for y, name in zip(self.qkv_proj(x), ("q_proj", "k_proj", "v_proj")))
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -338,7 +354,8 @@ class Attention(nnx.Module):
             kv_scales=self.kv_scales(k, v, metadata.slot_mapping >= 0) if is_fp8(kv_cache[0].dtype) else None,
             sliding_window=self.sliding_window,
         )
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv_cache
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        return with_lora(self.o_proj(out), lora, "o_proj", out), kv_cache
 
     def kv_scales(
         self,
@@ -388,9 +405,14 @@ class MLP(nnx.Module):
             rngs=rngs,
         )
 
-    def __call__(self, x: Float[Array, "num_tokens hidden_size"]) -> Float[Array, "num_tokens hidden_size"]:
-        gate, up = (part[:, 0] for part in self.gate_up_proj(x))
-        return self.down_proj(jax.nn.silu(gate) * up)
+    def __call__(
+        self, x: Float[Array, "num_tokens hidden_size"], lora: LoRALayer | None = None
+    ) -> Float[Array, "num_tokens hidden_size"]:
+        gate, up = (
+            with_lora(part[:, 0], lora, name, x) for part, name in zip(self.gate_up_proj(x), ("gate_proj", "up_proj"))
+        )
+        hidden = jax.nn.silu(gate) * up
+        return with_lora(self.down_proj(hidden), lora, "down_proj", hidden)
 
 
 class DecoderLayer(nnx.Module):
@@ -411,10 +433,12 @@ class DecoderLayer(nnx.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         attention_backend: AttentionBackend | None = None,
+        lora: LoRALayer | None = None,
     ) -> tuple[Float[Array, "num_tokens hidden_size"], KVCache]:
-        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, attention_backend)
+        normed = self.input_layernorm(x)
+        attn_out, kv_cache = self.self_attn(normed, cos, sin, kv_cache, metadata, attention_backend, lora)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+        return x + self.mlp(self.post_attention_layernorm(x), lora), kv_cache
 
 
 class Backbone(nnx.Module):
@@ -446,13 +470,15 @@ def run_layers(
     kv_caches: list[KVCache],
     metadata: AttentionMetadata,
     attention_backend: AttentionBackend | None = None,
+    lora: LoRABatch | None = None,
 ) -> tuple[Float[Array, "num_tokens hidden_size"], list[KVCache]]:
-    """The decoder layers over ``x`` with RoPE at ``positions``, and their updated caches."""
+    """The decoder layers over ``x`` with RoPE at ``positions`` (and each token's LoRA adapter, with
+    ``lora``), and their updated caches."""
     angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(config)[None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     new_caches = []
-    for layer, kv_cache in zip(layers, kv_caches, strict=True):
-        x, kv_cache = layer(x, cos, sin, kv_cache, metadata, attention_backend)
+    for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+        x, kv_cache = layer(x, cos, sin, kv_cache, metadata, attention_backend, None if lora is None else lora.layer(i))
         new_caches.append(kv_cache)
     return x, new_caches
 
@@ -534,11 +560,13 @@ class CausalLM(nnx.Module):
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
         attention_backend: AttentionBackend | None = None,
+        lora: LoRABatch | None = None,
     ) -> tuple[Float[Array, "num_tokens hidden_size"], list[KVCache]]:
         """Hidden states after the final norm, and every layer's updated KV cache.
 
         ``attention_backend`` picks the attention ops' implementation (None: that of
         JAX's default devices); a runner passes the one it resolved for its mesh.
+        ``lora`` adds each token's LoRA adapter to every projection it targets.
         """
         x, new_caches = run_layers(
             self.model.layers,
@@ -548,6 +576,7 @@ class CausalLM(nnx.Module):
             kv_caches,
             metadata,
             attention_backend,
+            lora,
         )
         return self.model.norm(x), new_caches
 
