@@ -190,6 +190,34 @@ class SpeculativeConfig:
 
 
 @dataclasses.dataclass
+class LoRAConfig:
+    """Multi-LoRA serving, with vLLM's names (``LLM(enable_lora=True, ...)``).
+
+    ``max_loras`` adapters sit in device slots at once, so one step mixes at most
+    that many (besides the base model); ``max_lora_rank`` is the largest rank an
+    adapter may have (smaller ones are zero-padded to it); ``max_cpu_loras``
+    adapters are kept read in host memory (least recently used dropped first;
+    None: ``max_loras``).
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LoRAConfig.{name} must be positive; got {getattr(self, name)}.")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"LoRAConfig.max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): "
+                "every adapter on the device is also kept in host memory."
+            )
+
+
+@dataclasses.dataclass
 class ParallelConfig:
     """How many devices serve the model, with vLLM's names.
 
@@ -276,6 +304,8 @@ class RunnerConfig:
     sampler_config: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
     parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None
+    """None: LoRA off, and a request with a ``lora_request`` is refused."""
 
     def __post_init__(self) -> None:
         steps = self.scheduler_config.num_scheduler_steps
