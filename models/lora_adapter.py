@@ -24,10 +24,10 @@ import ml_dtypes
 import numpy as np
 from jaxtyping import Float32
 
+from jaxrunner.models.lora import LORA_MODULES
 from jaxrunner.models.safetensors_io import CheckpointError, iter_tensors, read_json_object
 from jaxrunner.models.transformer import TransformerConfig
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 _TORCH_WEIGHTS_FILE = "adapter_model.bin"
@@ -95,22 +95,6 @@ class _Target:
 def _module_path(layer: int, module: str) -> str:
     """The module's name in HF's model, as PEFT matches ``target_modules`` against it."""
     return f"model.layers.{layer}.{_PARENT[module]}.{module}"
-
-
-def module_shapes(config: TransformerConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each LoRA-able module of the base model, HF's Linear shapes."""
-    q_size = config.num_heads * config.head_dim
-    kv_size = config.num_kv_heads * config.head_dim
-    hidden, intermediate = config.hidden_size, config.intermediate_size
-    return {
-        "q_proj": (hidden, q_size),
-        "k_proj": (hidden, kv_size),
-        "v_proj": (hidden, kv_size),
-        "o_proj": (q_size, hidden),
-        "gate_proj": (hidden, intermediate),
-        "up_proj": (hidden, intermediate),
-        "down_proj": (intermediate, hidden),
-    }
 
 
 def read_lora_adapter(name: str, path: str | PathLike, config: TransformerConfig, max_lora_rank: int) -> LoRAAdapter:
@@ -306,7 +290,7 @@ def _fold(
             f"{ADAPTER_WEIGHTS_FILE} holds factors of {len(untargeted)} module(s) that {ADAPTER_CONFIG_FILE} does not "
             f"target, the first {_module_path(*untargeted[0])}; the config and the weights disagree"
         )
-    shapes = module_shapes(config)
+    shapes = config.projection_shapes()
     weights = {}
     for (layer, module), target in sorted(targets.items()):
         pair = factors.get((layer, module), {})

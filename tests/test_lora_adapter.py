@@ -20,13 +20,8 @@ import torch
 import transformers
 
 from jaxrunner.models import TransformerConfig
-from jaxrunner.models.lora_adapter import (
-    LORA_MODULES,
-    LoRAAdapter,
-    LoRAAdapterError,
-    module_shapes,
-    read_lora_adapter,
-)
+from jaxrunner.models.lora import LORA_MODULES
+from jaxrunner.models.lora_adapter import LoRAAdapter, LoRAAdapterError, read_lora_adapter
 
 _SHAPE: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, dtype="float32"
@@ -98,7 +93,7 @@ def test_factors_give_peft_delta(saved, name):
     x = np.random.default_rng(0).standard_normal((5, 128), dtype=np.float32)
     deltas = _peft_deltas(peft_model, x)
     assert adapter.weights.keys() == deltas.keys()
-    shapes = module_shapes(_config(base))
+    shapes = _config(base).projection_shapes()
     for (layer, module), (a, b) in adapter.weights.items():
         in_features, out_features = shapes[module]
         assert a.shape == (in_features, adapter.rank) and b.shape == (adapter.rank, out_features)
