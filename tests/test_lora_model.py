@@ -16,6 +16,7 @@ from test_model_parity import BLOCK_SIZE, NUM_BLOCKS, pack, random_caches, rando
 from jaxrunner.models import load_model
 from jaxrunner.models.lora import LORA_MODULES, LoRABatch, LoRAWeights, adapter_arrays, set_slot
 from jaxrunner.models.lora_adapter import read_lora_adapter
+from jaxrunner.models.random_lora import save_random_lora_adapter
 from jaxrunner.runner.compilation import CompileCounter
 
 MAX_LORAS = 3
@@ -156,3 +157,24 @@ def test_swapping_adapters_compiles_nothing(checkpoints):
         outputs.append(np.asarray(step(*args, LoRABatch(weights, slots))))
     assert CompileCounter.count() == compiled
     assert rel_err(outputs[0], outputs[1]) > 1e-2  # the swap took effect
+
+
+def test_random_adapter_loads_in_peft_and_matches(checkpoints, tmp_path):
+    """A random adapter written for a model (as the built-in models get theirs) is one PEFT loads, and the
+    model with it in a slot gives PEFT's logits."""
+    base_dir, _ = checkpoints
+    model, config = load_model(base_dir)
+    path = save_random_lora_adapter(tmp_path / "random", config, rank=8, target_modules=["q_proj", "up_proj"], seed=7)
+    adapter = read_lora_adapter("random", path, config, MAX_LORA_RANK)
+    weights = set_slot(empty_slots(config), jnp.int32(1), *adapter_arrays(adapter.weights, empty_slots(config)))
+    step, prompts, args = step_inputs(model, config, seed=5)
+    logits = np.asarray(step(*args, LoRABatch(weights, jnp.where(jnp.arange(NUM_TOKENS) < sum(PROMPT_LENS), 1, -1))))
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
+    peft_model = peft.PeftModel.from_pretrained(base, str(path)).eval()
+    with torch.no_grad():
+        refs = [peft_model(torch.tensor([p])).logits[0].numpy() for p in prompts]
+        with peft_model.disable_adapter():
+            base_ref = peft_model(torch.tensor([prompts[0]])).logits[0].numpy()
+    assert rel_err(logits[: sum(PROMPT_LENS)], np.concatenate(refs)) < 1e-4
+    assert rel_err(refs[0], base_ref) > 1e-2  # the adapter moves the logits
