@@ -175,6 +175,11 @@ def test_slot_table_reuses_unused_slots_least_recently_used_first(checkpoints, c
     assert loads() == 4 and lora.loaded == {2: 0, 3: 1}
     runner.execute_model(_step(finished={"b3", "base"}))
     assert lora.num_unused_slots == 2
+    runner.execute_model(_step([_new("b4", b), _new("c3", c)]))
+    reset_runner(runner)  # drops every request: every slot unused, each keeping its adapter
+    assert lora.num_unused_slots == 2 and lora.loaded == {2: 0, 3: 1}
+    runner.execute_model(_step([_new("c4", c)]))
+    assert loads() == 4 and lora.num_unused_slots == 1
 
 
 def test_bad_adapters_and_unsupported_configurations_are_refused(checkpoints, cache_dir, tmp_path):
@@ -188,6 +193,10 @@ def test_bad_adapters_and_unsupported_configurations_are_refused(checkpoints, ca
     with pytest.raises(TypeError, match="LoRARequest"):
         runner.execute_model(_step([_new("t", "all-r8")]))
     assert runner.lora is not None and runner.lora.loaded == {} and runner.lora.num_unused_slots == 1
+    empty_prompt = NewRequestData("e", [], GREEDY, ([],), 0, lora_request=checkpoints.requests["all-r8"])
+    with pytest.raises(ValueError, match="empty prompt"):  # refused after its adapter was loaded
+        runner.execute_model(_step([empty_prompt]))
+    assert runner.lora.loaded == {1: 0} and runner.lora.num_unused_slots == 1  # loaded, used by no request
 
     model, _ = load_model(checkpoints.base_dir, dtype="float32")
     off = make_runner(model, max_num_seqs=2, num_blocks=8)

@@ -76,7 +76,8 @@ class AdapterCache:
 
 
 class LoRASlots:
-    """The device's adapter slots, which adapter each holds, and which running requests use each.
+    """The device's adapter slots, which adapter each holds, and which running requests use each
+    (a ``RequestFeatureState`` of the runner).
 
     ``weights`` are the slots' current weights (of ``arch``'s projections, in
     ``dtype``, placed with ``sharding``), which the runner passes to its forward
@@ -108,8 +109,9 @@ class LoRASlots:
         # Slots no running request uses, least recently used first (empty ones before any loaded).
         self._unused: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(self.max_loras))
 
-    def add_request(self, new_req: NewRequestData) -> int:
-        """The slot of the request's adapter (``NO_LORA`` without one), loading the adapter if no slot holds it."""
+    def slot_for(self, new_req: NewRequestData) -> int:
+        """The slot of the request's adapter (``NO_LORA`` without one), loading the adapter if no slot holds it.
+        The request's row carries it; ``add_request``, once the request has its row, keeps the slot for it."""
         lora_request = new_req.lora_request
         if lora_request is None:
             return NO_LORA
@@ -119,12 +121,16 @@ class LoRASlots:
                 "pass a jaxrunner.lora.LoRARequest."
             )
         slot = self._slot_of.get(lora_request.lora_int_id)
-        if slot is None:
-            slot = self._load_adapter(new_req.req_id, lora_request)
-        self._unused.pop(slot, None)
-        self._users[slot] += 1
-        self._request_slot[new_req.req_id] = slot
-        return slot
+        return self._load_adapter(new_req.req_id, lora_request) if slot is None else slot
+
+    def add_request(self, new_req: NewRequestData, slot: int) -> None:
+        """The request (in request slot ``slot``) uses its adapter's slot until it leaves the runner."""
+        if new_req.lora_request is None:
+            return
+        lora_slot = self._slot_of[new_req.lora_request.lora_int_id]
+        self._unused.pop(lora_slot, None)
+        self._users[lora_slot] += 1
+        self._request_slot[new_req.req_id] = lora_slot
 
     def remove_request(self, req_id: str) -> None:
         """The request leaves the runner; its slot, once no running request uses it, may be taken (weights kept)."""
@@ -134,13 +140,6 @@ class LoRASlots:
         self._users[slot] -= 1
         if self._users[slot] == 0:
             self._unused[slot] = None
-
-    def reset(self) -> None:
-        """Every request dropped (the runner's reset): every slot unused, each keeping the adapter it holds."""
-        self._request_slot.clear()
-        self._users = [0] * self.max_loras
-        empty_first = sorted(range(self.max_loras), key=lambda slot: self._held[slot] is not None)
-        self._unused = collections.OrderedDict.fromkeys(empty_first)
 
     @property
     def num_unused_slots(self) -> int:

@@ -238,6 +238,7 @@ class ModelRunner:
             self.prompt_logprobs = PromptLogprobs(self.compilation.prompt_logprobs, self.spans)
             # Per-request state of the features, beside the slots and block tables.
             self.request_features: list[RequestFeatureState] = [self.prompt_logprobs]
+            self.request_features += [] if self.lora is None else [self.lora]
         logger.info("Model loaded in %.1f s", self.spans.seconds["load_model"])
 
     def fresh_device_state(self) -> DeviceState:
@@ -487,13 +488,11 @@ class ModelRunner:
                 self.req_states.remove_request(req_id)
             for feature in self.request_features:
                 feature.remove_request(req_id)
-            if self.lora is not None:
-                self.lora.remove_request(req_id)
 
     def add_requests(self, scheduler_output: SchedulerOutput) -> None:
         """Give new (and resumed) requests slots and block tables, and write their rows to the device."""
         for new_req in scheduler_output.scheduled_new_reqs:
-            lora_slot = NO_LORA if self.lora is None else self.lora.add_request(new_req)
+            lora_slot = NO_LORA if self.lora is None else self.lora.slot_for(new_req)
             slot = self.req_states.add_request(new_req, lora_slot)
             block_ids = new_req.block_ids[0] if new_req.block_ids else []
             self.block_tables.append_block_ids(slot, list(block_ids), overwrite=True)

@@ -9,9 +9,9 @@ updated too. ``reset_runner`` drops every request, re-creates the KV caches
 (the target's and a drafter's) that were lost and starts the device state
 afresh (no slot keeps the drafts or the counts of the step cut short),
 keeping the KV cache scales computed so far. The LoRA slots' weights are
-never donated, so they survive: every slot becomes unused and keeps its
-adapter. The engine, which aborted every request, forgets the KV cache's
-contents (its prefix cache) along with them.
+never donated, so they survive: as every request leaves, every slot becomes
+unused and keeps its adapter. The engine, which aborted every request,
+forgets the KV cache's contents (its prefix cache) along with them.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ def reset_runner(runner: ModelRunner) -> None:
         for feature in runner.request_features:
             feature.remove_request(req_id)
     runner.req_states.reset()
-    if runner.lora is not None:
-        runner.lora.reset()
     runner.block_tables.reset()
     if _lost(runner.kv_caches):
         runner.kv_caches = allocate_kv_caches(runner.kv_cache_spec, runner.num_blocks, runner.kv_cache_sharding)
