@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from jaxrunner.config import (
     CacheConfig,
     CompilationConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     RunnerConfig,
@@ -49,6 +50,7 @@ def make_runner(
     mesh: Mesh | None = None,
     num_scheduler_steps: int = 1,
     compiler_options: dict | None = None,
+    lora_config: LoRAConfig | None = None,
 ) -> ModelRunner:
     """A runner with ``model`` loaded and its KV cache allocated; ``mesh`` as the model's for TP."""
     config = RunnerConfig(
@@ -71,6 +73,7 @@ def make_runner(
             compiler_options=compiler_options,
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size(mesh)),
+        lora_config=lora_config,
     )
     runner = ModelRunner(config, mesh)
     runner.load_model(model)
@@ -98,6 +101,7 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     max_tokens: int
+    lora_request: Any = None
     output: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     blocks: list[int] = dataclasses.field(default_factory=list)
@@ -109,12 +113,21 @@ class _Request:
 
 
 class HandScheduler:
-    """Continuous batching over a runner, with chunked prefill under a token budget."""
+    """Continuous batching over a runner, with chunked prefill under a token budget; with ``max_loras``,
+    a waiting request joins only while the running ones use at most that many distinct LoRA adapters."""
 
-    def __init__(self, runner: ModelRunner, token_budget: int, seed: int = 0, max_chunk: int | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        token_budget: int,
+        seed: int = 0,
+        max_chunk: int | None = None,
+        max_loras: int | None = None,
+    ):
         self.runner = runner
         self.token_budget = token_budget
         self.max_chunk = max_chunk
+        self.max_loras = max_loras
         self.block_size = runner.block_size
         self.rng = random.Random(seed)
         self.free_blocks = list(range(runner.num_blocks))
@@ -124,8 +137,19 @@ class HandScheduler:
         self.finished: dict[str, list[int]] = {}
         self._to_free: set[str] = set()
 
-    def add(self, req_id: str, prompt: list[int], params: SamplingParams, max_tokens: int) -> None:
-        self.waiting.append(_Request(req_id, list(prompt), params, max_tokens))
+    def add(
+        self, req_id: str, prompt: list[int], params: SamplingParams, max_tokens: int, lora_request: Any = None
+    ) -> None:
+        self.waiting.append(_Request(req_id, list(prompt), params, max_tokens, lora_request))
+
+    def _fits_loras(self, req: _Request) -> bool:
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return (
+            self.max_loras is None
+            or req.lora_request is None
+            or req.lora_request.lora_int_id in adapters
+            or len(adapters) < self.max_loras
+        )
 
     def _grow(self, req: _Request, num_tokens: int) -> list[int]:
         need = -(-num_tokens // self.block_size) - len(req.blocks)
@@ -138,8 +162,10 @@ class HandScheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs, cached = [], CachedRequestData()
         max_reqs = self.runner.max_num_reqs
-        while self.waiting and len(self.running) < max_reqs:
-            self.running.append(self.waiting.pop(0))
+        for req in list(self.waiting):
+            if len(self.running) < max_reqs and self._fits_loras(req):
+                self.waiting.remove(req)
+                self.running.append(req)
         # Decodes first, then prefill chunks, as vLLM orders them.
         order = sorted(self.running, key=lambda r: r.num_computed < len(r.prompt))
         for req in order:
@@ -150,7 +176,14 @@ class HandScheduler:
             new_blocks = self._grow(req, req.num_computed + chunk)
             if not req.started:
                 new_reqs.append(
-                    NewRequestData(req.req_id, req.prompt, req.params, (list(req.blocks),), req.num_computed)
+                    NewRequestData(
+                        req.req_id,
+                        req.prompt,
+                        req.params,
+                        (list(req.blocks),),
+                        req.num_computed,
+                        lora_request=req.lora_request,
+                    )
                 )
                 req.started = True
             else:

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from jaxrunner.compat import device_memory_stats
 from jaxrunner.config import CompilationConfig
+from jaxrunner.models.lora import LoRAWeights, set_slot
 from jaxrunner.runner import step_functions
 from jaxrunner.runner.block_table import BlockTables
 from jaxrunner.runner.input_batch import SampleRows, StepShape, pack_step_buffer
@@ -262,6 +263,7 @@ class ProgramInputs:
     vocab_size: int
     cache_sharding: jax.sharding.Sharding  # the KV caches': split on KV heads
     replicated: jax.sharding.Sharding  # everything else's
+    lora_weights: LoRAWeights | None = None  # the LoRA slots (of ShapeDtypeStructs); None: LoRA off
 
 
 class CompilationManager:
@@ -269,9 +271,11 @@ class CompilationManager:
 
     ``forward`` (token bucket), ``sample`` ((request bucket, plain path)),
     ``write_new_requests`` (request bucket), ``decode_steps`` ((token bucket,
-    request bucket, steps)) and ``prompt_logprobs`` (token bucket). Programs that
+    request bucket, steps)), ``prompt_logprobs`` (token bucket) and, with LoRA,
+    ``set_lora_slot`` (one program, key None, for every slot). Programs that
     take the KV cache are lowered for ``num_blocks`` blocks, set once the cache is
-    sized.
+    sized. With LoRA the forward programs take the slots' weights as an argument
+    (not donated), so loading an adapter changes an input, never a program.
     """
 
     def __init__(
@@ -301,6 +305,7 @@ class CompilationManager:
             "decode_steps", lambda key: self._lower_decode_steps(*key, num_blocks=self._kv_blocks()), options_of_first
         )
         self.prompt_logprobs = CompiledPrograms("prompt_logprobs", self._lower_prompt_logprobs, options)
+        self.set_lora_slot = CompiledPrograms("set_lora_slot", lambda _: self._lower_set_lora_slot())
         # Outputs keep the inputs' layout: caches split on KV heads, everything else replicated.
         cache, whole = inputs.cache_sharding, inputs.replicated
         self._sample_jit = jax.jit(
@@ -312,7 +317,8 @@ class CompilationManager:
 
     @property
     def programs(self) -> tuple[CompiledPrograms, ...]:
-        return (self.forward, self.sample, self.write_new_requests, self.decode_steps, self.prompt_logprobs)
+        programs = (self.forward, self.sample, self.write_new_requests, self.decode_steps, self.prompt_logprobs)
+        return programs + ((self.set_lora_slot,) if self.inputs.lora_weights is not None else ())
 
     def compiler_options(self, num_rows: int) -> CompilerOptions:
         """XLA's options for a step program over ``num_rows`` rows (tokens, or requests to sample)."""
@@ -334,6 +340,7 @@ class CompilationManager:
         jobs += [(self.write_new_requests, b) for b in self.request_buckets]
         jobs += [(self.decode_steps, key) for key in self.decode_steps_keys()]
         jobs += [(self.prompt_logprobs, b) for b in self.token_buckets]
+        jobs += [(self.set_lora_slot, None)] if self.inputs.lora_weights is not None else []
         for programs, bucket in tqdm(jobs, desc="Precompiling buckets", leave=False):
             programs.get(bucket)
         return time.perf_counter() - start
@@ -385,6 +392,7 @@ class CompilationManager:
         shape = self.step_shapes[tokens]
         zeros = lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding)
         caches, draft_caches, state = jax.tree.map(zeros, self._step_args(shape, _PROFILE_NUM_BLOCKS)[2:5])
+        lora_weights = jax.tree.map(zeros, self.inputs.lora_weights)
         logits_rows = reqs * (self.statics.num_spec + 1)
         no_grammar = (
             np.zeros((logits_rows, bitmask_words(self.inputs.vocab_size)), np.int32),
@@ -394,7 +402,7 @@ class CompilationManager:
             ballast = _hold_up_to_peak(device)
             in_use = _stats(device)["bytes_in_use"]
             _, draft_caches, state, sample_hidden, rows, _ = forward(
-                params, draft_params, caches, draft_caches, state, self._profile_step_buffer(shape)
+                params, draft_params, caches, draft_caches, state, self._profile_step_buffer(shape), lora_weights
             )
             jax.block_until_ready(sample(params, draft_params, draft_caches, sample_hidden, rows, state, *no_grammar))
         except jax.errors.JaxRuntimeError as error:
@@ -442,7 +450,7 @@ class CompilationManager:
         return [] if spec is None else spec.abstract(num_blocks, self.inputs.cache_sharding)
 
     def _step_args(self, shape: StepShape, num_blocks: int) -> tuple:
-        """Abstract arguments every step program starts with: parameters, caches, state, step buffer."""
+        """Abstract arguments of the forward programs: parameters, caches, state, step buffer, LoRA slots."""
         inputs = self.inputs
         return (
             inputs.params,
@@ -451,6 +459,7 @@ class CompilationManager:
             self._draft_kv(num_blocks),
             inputs.device_state,
             self._input((shape.buffer_words,), jnp.int32),
+            inputs.lora_weights,
         )
 
     def _lower_forward(self, num_tokens: int, num_blocks: int) -> jax.stages.Lowered:
@@ -517,4 +526,17 @@ class CompilationManager:
             self._input((num_tokens, *inputs.hidden.shape), inputs.hidden.dtype),
             self._input((num_tokens,), jnp.int32),
             self._input((num_tokens,), jnp.int32),
+        )
+
+    def _lower_set_lora_slot(self) -> jax.stages.Lowered:
+        """``set_slot`` over the LoRA slots, a traced slot and one adapter's float32 arrays (``adapter_arrays``)."""
+        weights = self.inputs.lora_weights
+        assert weights is not None, "set_lora_slot exists with LoRA only"
+        one_slot = lambda w: self._input(w.shape[:1] + w.shape[2:], jnp.float32)
+        set_slot_jit = jax.jit(set_slot, out_shardings=self.inputs.replicated)
+        return set_slot_jit.lower(
+            weights,
+            self._input((), jnp.int32),
+            jax.tree.map(one_slot, weights.a),
+            jax.tree.map(one_slot, weights.b),
         )

@@ -22,7 +22,7 @@ from jaxtyping import Array, Bool, Int
 
 from jaxrunner.ops import AttentionMetadata
 from jaxrunner.runner.block_table import apply_block_appends, compute_slot_mapping
-from jaxrunner.runner.states import DeviceState
+from jaxrunner.runner.states import NO_LORA, DeviceState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +127,10 @@ def build_step_inputs(
     AttentionMetadata,
     SampleRows,
     Int[Array, "num_rows num_spec_plus_1"],
+    Int[Array, " num_tokens"],
 ]:
-    """Input ids, positions, attention metadata, sample rows and logits indices, from the step buffer (in jit).
+    """Input ids, positions, attention metadata, sample rows, logits indices and each token's LoRA slot
+    (its request's; ``NO_LORA`` for padding), from the step buffer (in jit).
 
     A request with drafts is decoding: its first query token is its last
     sampled token and the next ``num_drafts`` are the drafts, to be verified.
@@ -169,6 +171,7 @@ def build_step_inputs(
         from_draft = jnp.maximum(draft_tokens.at[token_req, offset - 1].get(mode="fill", fill_value=0), 0)
         input_ids = jnp.where((offset > 0) & (num_drafts[token_req] > 0), from_draft, input_ids)
     input_ids = jnp.where(is_real, input_ids, 0)
+    token_lora_slots = jnp.where(is_real, state.lora_slots.at[token_slot].get(mode="fill", fill_value=NO_LORA), NO_LORA)
     slot_mapping = compute_slot_mapping(state.block_table, token_slot, positions, is_real, block_size)
     positions = jnp.where(is_real, positions, 0)
     metadata = AttentionMetadata(
@@ -192,7 +195,7 @@ def build_step_inputs(
         positions=pad_rows(jnp.maximum(row_positions, 0), 0),
         is_sampling=pad_rows((num_scheduled > 0) & (seq_lens >= prefill_len), False),
     )
-    return state, input_ids, positions, metadata, rows, jnp.maximum(row_index, 0)
+    return state, input_ids, positions, metadata, rows, jnp.maximum(row_index, 0), token_lora_slots
 
 
 def post_update(

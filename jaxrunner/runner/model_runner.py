@@ -4,9 +4,9 @@ How this file is kept (vLLM's rule for its GPU runner): the runner is the
 script of one step and stays small. ``execute_model`` and ``sample_tokens``
 read as a short list of named phases; what is compiled and how belongs to
 ``compilation.py``, and each feature (prompt logprobs, structured output,
-rounds of several decode steps, on-device drafters, and next LoRA, multimodal
-inputs, KV connectors) lives in its own module with its own per-request state,
-costing the runner a line or two.
+rounds of several decode steps, on-device drafters, LoRA adapters, and next
+multimodal inputs, KV connectors) lives in its own module with its own
+per-request state, costing the runner a line or two.
 
 Each step runs at most three programs, each compiled ahead of time per bucket:
 ``write_new_requests`` (request bucket; only when requests join), the forward
@@ -15,7 +15,9 @@ sample) and the sampling step (request bucket: logits, sampling, post-update).
 Splitting by axis keeps the number of programs the sum of the ladders, not
 their product. The KV cache and the device state are donated to each program.
 A round of several decode steps (``SchedulerConfig.num_scheduler_steps``) runs
-as one program of its own, keyed by both buckets and the step count.
+as one program of its own, keyed by both buckets and the step count. With
+LoRA, the forward programs take the adapter slots' weights as an argument, and
+a request whose adapter no slot holds first loads it (``jaxrunner.runner.lora``).
 
 The runner serves one mesh of ``tensor_parallel_size`` devices (one
 data-parallel replica): every program is lowered with explicit shardings, the
@@ -46,9 +48,11 @@ from jaxrunner.interfaces import (
     SamplingParams,
     SchedulerOutput,
 )
+from jaxrunner.lora.request import LoRARequest
 from jaxrunner.models import CausalLM, TransformerConfig
 from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.loader import load_eagle_head
+from jaxrunner.models.lora import LoRAWeights
 from jaxrunner.models.partitioning import param_shardings
 from jaxrunner.models.transformer import PENDING_KV_SCALE, KVScale
 from jaxrunner.ops import AttentionBackend
@@ -64,12 +68,13 @@ from jaxrunner.runner.compilation import (
 from jaxrunner.runner.decode_rounds import check_decode_round, check_num_decode_steps, check_round_output
 from jaxrunner.runner.input_batch import InputBatch, SampleRows, pack_step_buffer
 from jaxrunner.runner.kv_cache import KVCaches, KVCacheSpec, MemoryBudget, allocate_kv_caches, size_kv_cache
+from jaxrunner.runner.lora import LORA_OFF, LoRASlots, check_lora_support
 from jaxrunner.runner.prompt_logprobs import PromptLogprobs
 from jaxrunner.runner.spec_decode.draft_model import DraftModel
 from jaxrunner.runner.spec_decode.drafter import Drafter
 from jaxrunner.runner.spec_decode.eagle import EagleDrafter
 from jaxrunner.runner.spec_decode.ngram import NO_DRAFT, NgramDrafter
-from jaxrunner.runner.states import DeviceState, RequestFeatureState, RequestState
+from jaxrunner.runner.states import NO_LORA, DeviceState, RequestFeatureState, RequestState
 from jaxrunner.runner.step_functions import StepStatics
 from jaxrunner.runner.structured_outputs import GrammarBitmask, uses_grammar
 from jaxrunner.runner.unsupported import refuse_unsupported
@@ -113,6 +118,7 @@ class ModelRunner:
         """``mesh`` is one replica's ``(1, tensor_parallel_size)`` mesh (default: the first
         devices); ``replica`` its data-parallel index: requests without a seed draw their
         seeds from (``ModelConfig.seed``, ``replica``), so replicas do not sample alike."""
+        check_lora_support(config)
         self.config = config
         self.replica = replica
         tp = config.parallel_config.tensor_parallel_size
@@ -203,6 +209,12 @@ class ModelRunner:
             draft_params = None if self.drafter is None else self._place(self.drafter.params)
             self._draft_leaves, draft_params_treedef = jax.tree.flatten(draft_params)
             self.draft_kv_caches: KVCaches = []
+            lora_config, set_lora_slot = self.config.lora_config, lambda: self.compilation.set_lora_slot.get(None)
+            self.lora = (
+                None
+                if lora_config is None
+                else LoRASlots(lora_config, self.model_arch, model.dtype, self.replicated, set_lora_slot, self.spans)
+            )
             self.statics = StepStatics(
                 graphdef=graphdef,
                 params_treedef=params_treedef,
@@ -226,6 +238,7 @@ class ModelRunner:
             self.prompt_logprobs = PromptLogprobs(self.compilation.prompt_logprobs, self.spans)
             # Per-request state of the features, beside the slots and block tables.
             self.request_features: list[RequestFeatureState] = [self.prompt_logprobs]
+            self.request_features += [] if self.lora is None else [self.lora]
         logger.info("Model loaded in %.1f s", self.spans.seconds["load_model"])
 
     def fresh_device_state(self) -> DeviceState:
@@ -297,6 +310,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             cache_sharding=self.kv_cache_sharding,
             replicated=self.replicated,
+            lora_weights=abstract(self.lora_weights),
         )
 
     def _built_for_mesh(self, module: _OnMesh) -> _OnMesh:
@@ -403,7 +417,7 @@ class ModelRunner:
         with self.spans("execute_model"):
             if self.kv_caches is None:
                 raise RuntimeError("initialize_kv_cache() must run before execute_model().")
-            refuse_unsupported(scheduler_output)
+            refuse_unsupported(scheduler_output, lora_enabled=self.lora is not None)
             self.finish_requests(scheduler_output)
             self.add_requests(scheduler_output)
             self.update_requests(scheduler_output)
@@ -478,7 +492,8 @@ class ModelRunner:
     def add_requests(self, scheduler_output: SchedulerOutput) -> None:
         """Give new (and resumed) requests slots and block tables, and write their rows to the device."""
         for new_req in scheduler_output.scheduled_new_reqs:
-            slot = self.req_states.add_request(new_req)
+            lora_slot = NO_LORA if self.lora is None else self.lora.slot_for(new_req)
+            slot = self.req_states.add_request(new_req, lora_slot)
             block_ids = new_req.block_ids[0] if new_req.block_ids else []
             self.block_tables.append_block_ids(slot, list(block_ids), overwrite=True)
             for feature in self.request_features:
@@ -575,6 +590,7 @@ class ModelRunner:
             self.draft_kv_caches,
             self.device_state,
             step_buffer,
+            self.lora_weights,
         )
         return _Dispatched(batch, sample_hidden, rows, hidden)
 
@@ -589,6 +605,7 @@ class ModelRunner:
             self.draft_kv_caches,
             self.device_state,
             step_buffer,
+            self.lora_weights,
         )
         return _Dispatched(batch, tokens=tokens)
 
@@ -643,6 +660,11 @@ class ModelRunner:
         held = self.req_states.admissions[batch.idx_mapping_np] == batch.admissions_np
         self.req_states.num_computed_tokens[batch.idx_mapping_np[held]] -= rejected[held]
 
+    @property
+    def lora_weights(self) -> LoRAWeights | None:
+        """The LoRA slots' weights the forward programs take (None: LoRA off)."""
+        return None if self.lora is None else self.lora.weights
+
     def _call(self, program: jax.stages.Compiled, *args):
         """Call a compiled program; XLA launches its kernels on this thread, so the call is a span of its own."""
         with self.spans("program_call"):
@@ -660,6 +682,13 @@ class ModelRunner:
         """Raise ValueError if the runner cannot hold these parameters (capacities, token ids)."""
         pack_sampling_params(params, random.Random(0), self.config.sampler_config, self.vocab_size)
         check_logprobs_count("prompt_logprobs", params.prompt_logprobs, self.config.sampler_config)
+
+    def check_lora_request(self, lora_request: LoRARequest) -> None:
+        """Raise ValueError if the runner cannot run this adapter: LoRA off, or a bad adapter
+        (``LoRAAdapterError`` naming it). A good one is read into the host's LRU, where its first request finds it."""
+        if self.lora is None:
+            raise ValueError(LORA_OFF)
+        self.lora.adapters.get(lora_request)
 
 
 def _not_on_runner(req_id: str) -> ValueError:

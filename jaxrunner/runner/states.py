@@ -31,12 +31,17 @@ from jaxrunner.sample.sampling_state import (
 
 
 def new_request_layout(max_model_len: int, max_blocks: int, config: SamplerConfig, vocab_size: int) -> RowLayout:
-    """The packed row of one new request: counts, sampling fields, block ids, tokens."""
+    """The packed row of one new request: counts, its LoRA slot, sampling fields, block ids, tokens."""
     return RowLayout(
         (("slot", 1, "i32"), ("prefill_len", 1, "i32"), ("num_computed", 1, "i32"), ("prompt_len", 1, "i32"))
+        + (("lora_slot", 1, "i32"),)
         + sampling_fields(config, vocab_size)
         + (("block_ids", max_blocks, "i32"), ("tokens", max_model_len, "i32"))
     )
+
+
+NO_LORA = -1
+"""A request's LoRA slot when it runs the base model alone (``LoRABatch``'s token slot likewise)."""
 
 
 @jax.tree_util.register_dataclass
@@ -56,6 +61,8 @@ class DeviceState:
     sampling: SamplingArrays
     # Drafts a proposer on the device left for each request's next step (NO_DRAFT: none, as in a new slot).
     draft_tokens: Int[Array, "max_reqs num_spec"]
+    # Each request's LoRA adapter slot (``jaxrunner.runner.lora``; NO_LORA: the base model), read per token.
+    lora_slots: Int[Array, " max_reqs"]
     # The KV cache scales in use (the model's and the drafter's ``KVScale`` variables): the loaded ones, or
     # pending ones the first writes set (``calculate_kv_scales``); they override the parameters' copies.
     kv_scales: nnx.State = dataclasses.field(default_factory=lambda: nnx.State({}))
@@ -80,6 +87,7 @@ class DeviceState:
             block_table=jnp.zeros((max_num_reqs, max_blocks), jnp.int32),
             sampling=SamplingArrays.zeros(max_num_reqs, config, vocab_size),
             draft_tokens=jnp.full((max_num_reqs, num_spec), NO_DRAFT, jnp.int32),
+            lora_slots=jnp.full(max_num_reqs, NO_LORA, jnp.int32),
         )
 
 
@@ -98,6 +106,7 @@ def write_new_requests(state: DeviceState, rows: Int[Array, "n row_words"], layo
         block_table=set_rows(state.block_table, fields["block_ids"]),
         sampling=state.sampling.write_rows(slots, fields, tokens, fields["prompt_len"][:, 0], prefill_len),
         draft_tokens=state.draft_tokens,
+        lora_slots=set_rows(state.lora_slots, fields["lora_slot"][:, 0]),
         kv_scales=state.kv_scales,
         draft_kv_scales=state.draft_kv_scales,
     )
@@ -135,8 +144,8 @@ class RequestState:
         self._seed_rng = random.Random(seed)
         self._staged_rows: list[np.ndarray] = []
 
-    def add_request(self, new_req: NewRequestData) -> int:
-        """Give a request a slot and stage its row; checks what the device cannot."""
+    def add_request(self, new_req: NewRequestData, lora_slot: int = NO_LORA) -> int:
+        """Give a request a slot and stage its row (with its LoRA adapter's slot); checks what the device cannot."""
         req_id = new_req.req_id
         tokens = new_req.prefill_token_ids
         if req_id in self.req_id_to_index:
@@ -175,6 +184,7 @@ class RequestState:
                     prefill_len=len(tokens),
                     num_computed=new_req.num_computed_tokens,
                     prompt_len=len(new_req.prompt_token_ids),
+                    lora_slot=lora_slot,
                     block_ids=block_ids,
                     tokens=tokens,
                     **sampling,

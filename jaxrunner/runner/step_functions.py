@@ -21,6 +21,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxrunner.config import SamplerConfig
 from jaxrunner.models import CausalLM
 from jaxrunner.models.eagle import EagleHead
+from jaxrunner.models.lora import LoRABatch, LoRAWeights
 from jaxrunner.models.transformer import KVScale
 from jaxrunner.ops import AttentionBackend
 from jaxrunner.runner.input_batch import SampleRows, StepShape, build_step_inputs, post_update
@@ -84,6 +85,7 @@ def forward(
     draft_kv: KVCaches,
     state: DeviceState,
     step_buffer: Int[Array, " buffer_words"],
+    lora_weights: LoRAWeights | None,
     *,
     shape: StepShape,
 ) -> tuple[
@@ -94,12 +96,16 @@ def forward(
     SampleRows,
     Float[Array, "num_tokens hidden_size"],
 ]:
-    """The step's inputs from its buffer, the model (and the drafter's pass), and the hidden rows to sample."""
+    """The step's inputs from its buffer, the model (and the drafter's pass), and the hidden rows to sample.
+
+    With ``lora_weights`` (the LoRA slots; None: LoRA off) each token adds its request's adapter.
+    """
     model = statics.model(param_leaves, state.kv_scales)
-    state, input_ids, positions, metadata, rows, row_index = build_step_inputs(
+    state, input_ids, positions, metadata, rows, row_index, token_lora_slots = build_step_inputs(
         state, step_buffer, shape, statics.block_size
     )
-    hidden, kv_caches = model(input_ids, positions, kv_caches, metadata, statics.attention_backend)
+    lora = None if lora_weights is None else LoRABatch(lora_weights, token_lora_slots)
+    hidden, kv_caches = model(input_ids, positions, kv_caches, metadata, statics.attention_backend, lora)
     state = dataclasses.replace(state, kv_scales=nnx.state(model, KVScale))
     if statics.drafter is not None:
         drafter = statics.draft_module(draft_leaves, state.draft_kv_scales)
@@ -246,6 +252,7 @@ def decode_steps(
     draft_kv: KVCaches,
     state: DeviceState,
     step_buffer: Int[Array, " buffer_words"],
+    lora_weights: LoRAWeights | None,
     *,
     shape: StepShape,
     num_rows: int,
@@ -262,7 +269,7 @@ def decode_steps(
     tokens = []
     for _ in range(num_steps):
         kv_caches, draft_kv, state, sample_hidden, rows, _ = forward(
-            statics, param_leaves, draft_leaves, kv_caches, draft_kv, state, step_buffer, shape=shape
+            statics, param_leaves, draft_leaves, kv_caches, draft_kv, state, step_buffer, lora_weights, shape=shape
         )
         draft_kv, state, step_tokens, _ = sample_step(  # the plain path takes no grammar
             statics,

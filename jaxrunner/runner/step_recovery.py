@@ -8,8 +8,10 @@ holding deleted buffers, which every later step would pass to a program
 updated too. ``reset_runner`` drops every request, re-creates the KV caches
 (the target's and a drafter's) that were lost and starts the device state
 afresh (no slot keeps the drafts or the counts of the step cut short),
-keeping the KV cache scales computed so far; the engine, which aborted every
-request, forgets the KV cache's contents (its prefix cache) along with them.
+keeping the KV cache scales computed so far. The LoRA slots' weights are
+never donated, so they survive: as every request leaves, every slot becomes
+unused and keeps its adapter. The engine, which aborted every request,
+forgets the KV cache's contents (its prefix cache) along with them.
 """
 
 from __future__ import annotations

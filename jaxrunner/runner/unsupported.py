@@ -1,24 +1,23 @@
 """What a ``SchedulerOutput`` may ask of the runner that it cannot do yet, refused before any state changes.
 
 vLLM's runner takes LoRA adapters, multimodal inputs and several KV-cache groups
-through the same ``SchedulerOutput``; until this runner builds them, a request
-carrying one fails with a message naming what is missing, instead of running as
-if the field were absent.
+through the same ``SchedulerOutput``; until this runner builds them (or, for LoRA,
+while LoRA is off), a request carrying one fails with a message naming what is
+missing, instead of running as if the field were absent.
 """
 
 from __future__ import annotations
 
 from jaxrunner.interfaces import SchedulerOutput
+from jaxrunner.runner.lora import LORA_OFF
 
 
-def refuse_unsupported(scheduler_output: SchedulerOutput) -> None:
-    """Raise ``NotImplementedError`` naming the first request that needs a feature the runner lacks."""
+def refuse_unsupported(scheduler_output: SchedulerOutput, lora_enabled: bool) -> None:
+    """Raise ``NotImplementedError`` naming the first request that needs a feature the runner lacks
+    (LoRA adapters where ``lora_enabled`` is False)."""
     for new_req in scheduler_output.scheduled_new_reqs:
-        if new_req.lora_request is not None:
-            raise NotImplementedError(
-                f"Request {new_req.req_id!r} has a lora_request: LoRA adapters are not supported yet. "
-                "Send it without lora_request."
-            )
+        if new_req.lora_request is not None and not lora_enabled:
+            raise NotImplementedError(f"Request {new_req.req_id!r} has a lora_request, but {LORA_OFF}")
         if new_req.mm_features:
             raise NotImplementedError(
                 f"Request {new_req.req_id!r} has multimodal inputs (mm_features): the multimodal encoder "
