@@ -1,0 +1,155 @@
+"""The model with LoRA adapters in slots against PEFT on transformers: same base checkpoint, same adapters,
+every token of a packed batch on its own request's adapter (or none)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from flax import nnx
+from hf_models import save_tiny_hf_model
+from packed_batch import packed_metadata
+from test_model_parity import BLOCK_SIZE, NUM_BLOCKS, pack, random_caches, random_prompts, rel_err
+
+from jaxrunner.models import load_model
+from jaxrunner.models.lora import LORA_MODULES, LoRABatch, LoRAWeights, adapter_arrays, set_slot
+from jaxrunner.models.lora_adapter import read_lora_adapter
+
+MAX_LORAS = 3
+MAX_LORA_RANK = 16
+PROMPT_LENS = [7, 11, 5, 9]
+NUM_TOKENS = 40
+# Each prompt's adapter: name, or None for the base model.
+PROMPT_ADAPTERS = ["all-r8", None, "some-r16-rs", "all-r8"]
+ADAPTERS = {
+    "all-r8": peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_MODULES), init_lora_weights=False),
+    "some-r16-rs": peft.LoraConfig(
+        r=16, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    ),
+}
+SLOTS = {"some-r16-rs": 0, "all-r8": 2}  # slot 1 stays empty
+
+
+def save_adapters(base_dir, root) -> dict[str, str]:
+    """Each adapter of ``ADAPTERS`` on the base model, seeded, saved by PEFT; name -> directory."""
+    paths = {}
+    for seed, (name, config) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + seed)
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        model = peft.get_peft_model(base, config)
+        with torch.no_grad():  # PEFT's B starts small: make each adapter move the logits well past the tolerance
+            for param_name, param in model.named_parameters():
+                if "lora_B" in param_name:
+                    param.normal_(0.0, 0.05)
+        paths[name] = str(root / name)
+        model.save_pretrained(paths[name])
+    return paths
+
+
+def peft_logits(base_dir, adapter_paths: dict[str, str], prompts: list[list[int]]) -> list[np.ndarray]:
+    """PEFT's float32 logits of each prompt under its adapter of ``PROMPT_ADAPTERS`` (run one at a time)."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
+    names = list(adapter_paths)
+    model = peft.PeftModel.from_pretrained(base, adapter_paths[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapter_paths[name], adapter_name=name)
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for prompt, name in zip(prompts, PROMPT_ADAPTERS, strict=True):
+            ids = torch.tensor([prompt])
+            if name is None:
+                with model.disable_adapter():
+                    out.append(model(ids).logits[0].numpy())
+            else:
+                model.set_adapter(name)
+                out.append(model(ids).logits[0].numpy())
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    save_tiny_hf_model("llama", root / "base")
+    return root / "base", save_adapters(root / "base", root)
+
+
+def lora_step(model):
+    """The model as the runner runs it, with a LoRA batch as an argument: logits of every token."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, input_ids, positions, kv_caches, metadata, lora):
+        m = nnx.merge(graphdef, state)
+        hidden, _ = m(input_ids, positions, kv_caches, metadata, lora=lora)
+        return m.compute_logits(hidden)
+
+    return step, state
+
+
+def step_inputs(model, config, seed: int):
+    """The jitted step, and its arguments but the LoRA batch, over ``PROMPT_LENS`` random prompts."""
+    prompts = random_prompts(config.vocab_size, PROMPT_LENS, seed=seed)
+    metadata, positions = packed_metadata(
+        PROMPT_LENS, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, num_tokens=NUM_TOKENS
+    )
+    step, state = lora_step(model)
+    caches = random_caches(config, jnp.float32, 2)
+    return step, prompts, (state, pack(prompts, NUM_TOKENS), jnp.asarray(positions), caches, metadata)
+
+
+def empty_slots(config) -> LoRAWeights:
+    return LoRAWeights.zeros(config.num_layers, config.projection_shapes(), MAX_LORAS, MAX_LORA_RANK, jnp.float32)
+
+
+def token_slots(adapters: list[str | None]) -> jax.Array:
+    slots = np.full(NUM_TOKENS, -1, np.int32)
+    starts = np.cumsum([0, *PROMPT_LENS])
+    for start, end, name in zip(starts[:-1], starts[1:], adapters, strict=True):
+        slots[start:end] = -1 if name is None else SLOTS[name]
+    return jnp.asarray(slots)
+
+
+def test_prompt_logits_match_peft_per_adapter(checkpoints):
+    base_dir, adapter_paths = checkpoints
+    model, config = load_model(base_dir)
+    weights = empty_slots(config)
+    for name, slot in SLOTS.items():
+        adapter = read_lora_adapter(name, adapter_paths[name], config, MAX_LORA_RANK)
+        weights = set_slot(weights, jnp.int32(slot), *adapter_arrays(adapter.weights, weights))
+    step, prompts, args = step_inputs(model, config, seed=3)
+
+    logits = np.asarray(step(*args, LoRABatch(weights, token_slots(PROMPT_ADAPTERS))))
+    base_logits = np.asarray(step(*args, LoRABatch(weights, token_slots([None] * len(PROMPT_LENS)))))
+
+    refs = peft_logits(base_dir, adapter_paths, prompts)
+    starts = np.cumsum([0, *PROMPT_LENS])
+    for i, (ref, name) in enumerate(zip(refs, PROMPT_ADAPTERS, strict=True)):
+        ours = logits[starts[i] : starts[i + 1]]
+        assert rel_err(ours, ref) < 1e-4, (i, name, rel_err(ours, ref))
+        base = base_logits[starts[i] : starts[i + 1]]
+        moved = rel_err(base, ref)
+        assert (moved < 1e-4) if name is None else (moved > 1e-2), (i, name, moved)  # the adapters matter
+    assert step._cache_size() == 1  # one program for any assignment of adapters to tokens
+
+
+def test_swapping_adapters_compiles_nothing(checkpoints):
+    """Setting a slot is one program for every slot; the step takes new weights without compiling."""
+    base_dir, adapter_paths = checkpoints
+    model, config = load_model(base_dir)
+    weights = empty_slots(config)
+    step, _, args = step_inputs(model, config, seed=4)
+    slots = token_slots(PROMPT_ADAPTERS)
+    step(*args, LoRABatch(weights, slots))
+    set_before = set_slot._cache_size()
+    outputs = []
+    for name in ADAPTERS:
+        adapter = read_lora_adapter(name, adapter_paths[name], config, MAX_LORA_RANK)
+        for slot in range(MAX_LORAS):
+            weights = set_slot(weights, jnp.int32(slot), *adapter_arrays(adapter.weights, weights))
+        outputs.append(np.asarray(step(*args, LoRABatch(weights, slots))))
+    assert step._cache_size() == 1
+    assert set_slot._cache_size() - set_before <= 1  # at most the first call's compile, never one per slot
+    assert rel_err(outputs[0], outputs[1]) > 1e-2  # the swap took effect
