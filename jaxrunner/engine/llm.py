@@ -381,7 +381,7 @@ class LLM:
                     f"got {type(lora).__name__}."
                 )
         loras = [cast(LoRARequest | None, lora) for _, lora in named]
-        if self.config.lora_config is None and any(loras):
+        if self.config.lora_config is None and any(lora is not None for lora in loras):
             raise ValueError(
                 "Got a lora_request, but LoRA is off in this LLM: make it with LLM(..., enable_lora=True), "
                 "with max_loras and max_lora_rank as your adapters need."

@@ -268,8 +268,10 @@ class Scheduler:
         )
 
     def _running_loras(self) -> dict[int, None]:
-        """The adapters of the running requests (ids, base model left out), in the order they started;
-        forgets ``_lora_to_free`` once its slot is free."""
+        """The adapters of the running requests (ids, base model left out), in the order they started
+        (none with LoRA off); forgets ``_lora_to_free`` once its slot is free."""
+        if self.max_loras is None:
+            return {}
         loras = dict.fromkeys(r.lora_int_id for r in self.running if r.lora_int_id)
         if self._lora_to_free not in loras:
             self._lora_to_free = None
