@@ -92,7 +92,7 @@ class _Target:
     scaling: float
 
 
-def _module_path(layer: int, module: str) -> str:
+def hf_module_path(layer: int, module: str) -> str:
     """The module's name in HF's model, as PEFT matches ``target_modules`` against it."""
     return f"model.layers.{layer}.{_PARENT[module]}.{module}"
 
@@ -172,7 +172,7 @@ def _targets(adapter_config: dict[str, Any], config: TransformerConfig) -> dict[
     targets = {}
     for layer in range(config.num_layers):
         for module in LORA_MODULES:
-            key = _module_path(layer, module)
+            key = hf_module_path(layer, module)
             if _is_targeted(adapter_config, target_modules, key):
                 module_r = rank_pattern.get(_pattern_key(rank_pattern, key), r)
                 module_alpha = alpha_pattern.get(_pattern_key(alpha_pattern, key), alpha)
@@ -288,13 +288,13 @@ def _fold(
     if untargeted := sorted(factors.keys() - targets.keys()):
         raise _Problem(
             f"{ADAPTER_WEIGHTS_FILE} holds factors of {len(untargeted)} module(s) that {ADAPTER_CONFIG_FILE} does not "
-            f"target, the first {_module_path(*untargeted[0])}; the config and the weights disagree"
+            f"target, the first {hf_module_path(*untargeted[0])}; the config and the weights disagree"
         )
     shapes = config.projection_shapes()
     weights = {}
     for (layer, module), target in sorted(targets.items()):
         pair = factors.get((layer, module), {})
-        where = _module_path(layer, module)
+        where = hf_module_path(layer, module)
         if missing := [f"lora_{p}" for p in "AB" if p not in pair]:
             raise _Problem(
                 f"{ADAPTER_WEIGHTS_FILE} lacks {' and '.join(missing)} of {where}, which {ADAPTER_CONFIG_FILE} targets"

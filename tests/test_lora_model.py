@@ -16,6 +16,8 @@ from test_model_parity import BLOCK_SIZE, NUM_BLOCKS, pack, random_caches, rando
 from jaxrunner.models import load_model
 from jaxrunner.models.lora import LORA_MODULES, LoRABatch, LoRAWeights, adapter_arrays, set_slot
 from jaxrunner.models.lora_adapter import read_lora_adapter
+from jaxrunner.models.random_lora import save_random_lora_adapter
+from jaxrunner.runner.compilation import CompileCounter
 
 MAX_LORAS = 3
 MAX_LORA_RANK = 16
@@ -71,6 +73,7 @@ def peft_logits(base_dir, adapter_paths: dict[str, str], prompts: list[list[int]
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    CompileCounter.install()
     root = tmp_path_factory.mktemp("lora")
     save_tiny_hf_model("llama", root / "base")
     return root / "base", save_adapters(root / "base", root)
@@ -122,7 +125,9 @@ def test_prompt_logits_match_peft_per_adapter(checkpoints):
     step, prompts, args = step_inputs(model, config, seed=3)
 
     logits = np.asarray(step(*args, LoRABatch(weights, token_slots(PROMPT_ADAPTERS))))
+    compiled = CompileCounter.count()
     base_logits = np.asarray(step(*args, LoRABatch(weights, token_slots([None] * len(PROMPT_LENS)))))
+    assert CompileCounter.count() == compiled  # one program for any assignment of adapters to tokens
 
     refs = peft_logits(base_dir, adapter_paths, prompts)
     starts = np.cumsum([0, *PROMPT_LENS])
@@ -132,7 +137,6 @@ def test_prompt_logits_match_peft_per_adapter(checkpoints):
         base = base_logits[starts[i] : starts[i + 1]]
         moved = rel_err(base, ref)
         assert (moved < 1e-4) if name is None else (moved > 1e-2), (i, name, moved)  # the adapters matter
-    assert step._cache_size() == 1  # one program for any assignment of adapters to tokens
 
 
 def test_swapping_adapters_compiles_nothing(checkpoints):
@@ -142,14 +146,35 @@ def test_swapping_adapters_compiles_nothing(checkpoints):
     weights = empty_slots(config)
     step, _, args = step_inputs(model, config, seed=4)
     slots = token_slots(PROMPT_ADAPTERS)
+    adapters = [read_lora_adapter(name, path, config, MAX_LORA_RANK) for name, path in adapter_paths.items()]
     step(*args, LoRABatch(weights, slots))
-    set_before = set_slot._cache_size()
+    weights = set_slot(weights, jnp.int32(0), *adapter_arrays(adapters[0].weights, weights))  # warm-up
+    compiled = CompileCounter.count()
     outputs = []
-    for name in ADAPTERS:
-        adapter = read_lora_adapter(name, adapter_paths[name], config, MAX_LORA_RANK)
+    for adapter in adapters:
         for slot in range(MAX_LORAS):
             weights = set_slot(weights, jnp.int32(slot), *adapter_arrays(adapter.weights, weights))
         outputs.append(np.asarray(step(*args, LoRABatch(weights, slots))))
-    assert step._cache_size() == 1
-    assert set_slot._cache_size() - set_before <= 1  # at most the first call's compile, never one per slot
+    assert CompileCounter.count() == compiled
     assert rel_err(outputs[0], outputs[1]) > 1e-2  # the swap took effect
+
+
+def test_random_adapter_loads_in_peft_and_matches(checkpoints, tmp_path):
+    """A random adapter written for a model (as the built-in models get theirs) is one PEFT loads, and the
+    model with it in a slot gives PEFT's logits."""
+    base_dir, _ = checkpoints
+    model, config = load_model(base_dir)
+    path = save_random_lora_adapter(tmp_path / "random", config, rank=8, target_modules=["q_proj", "up_proj"], seed=7)
+    adapter = read_lora_adapter("random", path, config, MAX_LORA_RANK)
+    weights = set_slot(empty_slots(config), jnp.int32(1), *adapter_arrays(adapter.weights, empty_slots(config)))
+    step, prompts, args = step_inputs(model, config, seed=5)
+    logits = np.asarray(step(*args, LoRABatch(weights, jnp.where(jnp.arange(NUM_TOKENS) < sum(PROMPT_LENS), 1, -1))))
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
+    peft_model = peft.PeftModel.from_pretrained(base, str(path)).eval()
+    with torch.no_grad():
+        refs = [peft_model(torch.tensor([p])).logits[0].numpy() for p in prompts]
+        with peft_model.disable_adapter():
+            base_ref = peft_model(torch.tensor([prompts[0]])).logits[0].numpy()
+    assert rel_err(logits[: sum(PROMPT_LENS)], np.concatenate(refs)) < 1e-4
+    assert rel_err(refs[0], base_ref) > 1e-2  # the adapter moves the logits
