@@ -6,12 +6,16 @@ samples token 7 once its prefill is done); the engine tests run a tiny Llama
 checkpoint with PEFT adapters saved by ``test_lora_model.save_adapters``.
 """
 
+import contextlib
 import json
 import shutil
 
 import numpy as np
+import peft
 import pytest
 import safetensors.numpy
+import torch
+import transformers
 from hf_models import save_tiny_hf_model
 from runner_driver import tiny_llm
 from test_cli import SMALL_ENGINE, _user_error, no_model_loads  # noqa: F401  (no_model_loads: a fixture)
@@ -24,6 +28,8 @@ from jaxrunner.engine.request import Request
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.interfaces import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from jaxrunner.lora.request import LoRARequest
+from jaxrunner.models import TransformerConfig
+from jaxrunner.models.random_lora import save_random_lora_adapter
 from jaxrunner.models.tokenizer import build_byte_tokenizer
 
 ADAPTERS = [LoRARequest(name, i + 1, f"/adapters/{name}") for i, name in enumerate("abcde")]
@@ -133,6 +139,10 @@ def checkpoints(tmp_path_factory) -> tuple[str, dict[str, LoRARequest]]:
     save_tiny_hf_model("llama", root / "base", vocab_size=len(tokenizer))
     tokenizer.save_pretrained(root / "base")
     paths = save_adapters(root / "base", root)
+    arch = TransformerConfig.from_hf(transformers.AutoConfig.from_pretrained(root / "base"))
+    paths["random-r4"] = str(
+        save_random_lora_adapter(root / "random-r4", arch, rank=4, target_modules=["o_proj", "up_proj"], b_std=0.1)
+    )
     good = paths["all-r8"]
 
     def broken(name: str, config_changes: dict, shrink: str | None = None) -> str:
@@ -210,6 +220,47 @@ def test_an_adapter_id_or_name_names_one_adapter(llm, adapters):
     outputs = llm.generate([[5, 6, 7]] * 2, GREEDY, use_tqdm=False, lora_request=[other_name, other_id])
     assert f"lora_int_id {good.lora_int_id} already names adapter 'all-r8'" in (outputs[0].error or "")
     assert "the name 'all-r8' already names lora_int_id" in (outputs[1].error or "")
+    assert _all_blocks_free(llm)
+
+
+def peft_greedy(base_dir: str, prompts: list[list[int]], loras: list[LoRARequest | None], num_tokens: int):
+    """PEFT's greedy ``generate`` of each prompt under its adapter (None: adapters disabled)."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    named = {lora.lora_name: lora.lora_path for lora in loras if lora is not None}
+    first, *others = named
+    model = peft.PeftModel.from_pretrained(base, named[first], adapter_name=first)
+    for name in others:
+        model.load_adapter(named[name], adapter_name=name)
+    model.eval()
+    tokens = []
+    for prompt, lora in zip(prompts, loras, strict=True):
+        with torch.no_grad(), model.disable_adapter() if lora is None else contextlib.nullcontext():
+            if lora is not None:
+                model.set_adapter(lora.lora_name)
+            out = model.generate(
+                input_ids=torch.tensor([prompt]), max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False
+            )
+        tokens.append(out[0, len(prompt) :].tolist())
+    return tokens
+
+
+def test_greedy_tokens_of_a_batch_mixing_adapters_match_peft(checkpoints, cache_dir):
+    """Three adapters and the base model in one batch, two adapter slots: prompts longer than a step's
+    tokens (chunked prefill), a cache too small for every prompt at once (preemption), and prompts
+    sharing a prefix under one adapter (prefix caching) and across adapters (no sharing)."""
+    base_dir, adapters = checkpoints
+    llm = tiny_llm(cache_dir, base_dir, enable_lora=True, max_loras=2, max_lora_rank=16, num_gpu_blocks_override=14)
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 250, 40).tolist()
+    prompts = [shared + rng.integers(3, 250, n).tolist() for n in (30, 5, 52, 17, 9, 41, 23, 12)]
+    names = ["all-r8", None, "some-r16-rs", "random-r4", "all-r8", "random-r4", None, "some-r16-rs"]
+    loras = [None if name is None else adapters[name] for name in names]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outputs] == peft_greedy(base_dir, prompts, loras, 8)
+    assert [o.lora_request for o in outputs] == loras
+    scheduler = llm.llm_engine.scheduler
+    assert scheduler.num_preemptions > 0 and llm.kv_cache_manager.stats.hits > 0
     assert _all_blocks_free(llm)
 
 
