@@ -21,6 +21,7 @@ from runner_driver import tiny_llm
 from test_cli import SMALL_ENGINE, _user_error, no_model_loads  # noqa: F401  (no_model_loads: a fixture)
 from test_lora_model import save_adapters
 
+from jaxrunner import cli
 from jaxrunner.config import SchedulerConfig
 from jaxrunner.engine.kv_cache_manager import KVCacheManager
 from jaxrunner.engine.llm import LLM
@@ -296,3 +297,27 @@ def test_lora_settings_and_adapters_the_engine_refuses_are_one_line(capsys, tmp_
     )
     error = _user_error(capsys, ["generate", "--enable-lora", f"--lora=gone={tmp_path / 'gone'}", *SMALL_ENGINE])
     assert f"LoRA adapter 'gone' at {tmp_path / 'gone'}: is not a directory" in error
+
+
+def test_cli_runs_the_requests_over_the_lora_adapters_in_turn(checkpoints, capsys, tmp_path):
+    base_dir, adapters = checkpoints
+    flags = [f"--model={base_dir}", "--enable-lora", "--max-loras=2", *SMALL_ENGINE]
+    flags += [f"--lora={name}={adapters[name].lora_path}" for name in ("all-r8", "random-r4")]
+    cli.main(["generate", "--max-tokens=4", "--prompt=Hi", "--prompt=Ho", "--prompt=Ha", *flags])
+    out = capsys.readouterr().out
+    for prompt, name in [("Hi", "all-r8"), ("Ho", "random-r4"), ("Ha", "all-r8")]:
+        assert f"'{prompt}' [LoRA {name}] -> " in out
+    result_path = tmp_path / "bench.json"
+    cli.main(
+        [
+            "bench",
+            "--num-prompts=4",
+            "--input-len=8",
+            "--output-len=4",
+            "--quiet",
+            f"--output-json={result_path}",
+            *flags,
+        ]
+    )
+    result = json.loads(result_path.read_text())
+    assert result["lora_adapters"] == ["all-r8", "random-r4"] and result["output_tokens_per_s"] > 0
