@@ -20,6 +20,7 @@ from jaxrunner import envs
 from jaxrunner.config import CACHE_DTYPES, user_cache_dir
 from jaxrunner.engine import llm as engine_llm
 from jaxrunner.interfaces import SamplingParams
+from jaxrunner.lora.request import LoRARequest
 from jaxrunner.models.builtin import BUILTIN_MODELS, check_model_name, is_builtin
 
 if TYPE_CHECKING:
@@ -56,6 +57,16 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{}}'; got {text!r}")
     return value
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """``--lora``: an adapter as ``NAME=PATH``."""
+    name, _, path = text.partition("=")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(
+            f"must be NAME=PATH (a PEFT adapter directory), e.g. sql=/adapters/sql; got {text!r}"
+        )
+    return name, path
 
 
 def command_cache_dir() -> str:
@@ -106,6 +117,10 @@ _ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         help="XLA options for every step program as JSON, e.g. '{\"xla_gpu_enable_triton_gemm\": true}'; "
         "'{}' for XLA's defaults; unset: cuBLAS for the matmuls of large steps",
     ),
+    "enable_lora": dict(action="store_true", help="serve LoRA adapters (--lora)"),
+    "max_loras": dict(type=int, help="LoRA adapters one step may mix (their device slots)"),
+    "max_lora_rank": dict(type=int, help="the largest rank a LoRA adapter may have"),
+    "max_cpu_loras": dict(type=int, help="LoRA adapters kept read in host memory; unset: --max-loras"),
 }
 
 
@@ -140,6 +155,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="vLLM's n-gram proposers: 'ngram' proposes on the host (one step at a time), "
         "'ngram_gpu' on the device (steps overlap under async scheduling)",
     )
+    parser.add_argument(
+        "--lora",
+        type=_lora_module,
+        action="append",
+        metavar="NAME=PATH",
+        help="a LoRA adapter (PEFT's format) the requests run with, in turn; repeat for several (needs --enable-lora)",
+    )
     parser.add_argument("--debug", action="store_true", help="show an error's traceback, not only its message")
 
 
@@ -161,6 +183,31 @@ def _make_llm(args: argparse.Namespace) -> engine_llm.LLM:
     )
 
 
+def _lora_requests(args: argparse.Namespace) -> list[LoRARequest]:
+    """The ``--lora`` adapters, ids 1, 2, ... in order; refuses a name given twice, or adapters without
+    ``--enable-lora`` (as vLLM's), before the model loads."""
+    modules = args.lora or []
+    if modules and not args.enable_lora:
+        raise ValueError("--lora needs --enable-lora.")
+    names = [name for name, _ in modules]
+    if repeated := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"--lora names {repeated} more than once; give each adapter its own name.")
+    return [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(modules)]
+
+
+def _check_loras(llm: engine_llm.LLM, loras: list[LoRARequest]) -> None:
+    """Every ``--lora`` adapter read and checked by every replica before any request runs: a bad one
+    fails the command, naming it, rather than refusing its requests."""
+    for lora in loras:
+        for engine in llm.replicas.engines:
+            engine.add_lora(lora)
+
+
+def _spread(loras: list[LoRARequest], num_requests: int) -> list[LoRARequest | None] | None:
+    """Request i's adapter: the ``--lora`` adapters in turn (None: every request runs the base model)."""
+    return [loras[i % len(loras)] for i in range(num_requests)] if loras else None
+
+
 def _model_line(model: str) -> str:
     """What the model is, so that random text is not mistaken for a broken engine."""
     if is_builtin(model):
@@ -179,10 +226,13 @@ def _generate(args: argparse.Namespace) -> None:
         max_tokens=args.max_tokens,
         seed=args.sampling_seed,
     )
+    loras = _lora_requests(args)
     llm = _make_llm(args)
+    _check_loras(llm, loras)
     print(_model_line(args.model))
+    prompts = args.prompt or DEFAULT_PROMPTS
     start = time.perf_counter()
-    outputs = llm.generate(args.prompt or DEFAULT_PROMPTS, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=_spread(loras, len(prompts)))
     elapsed = time.perf_counter() - start
     num_tokens = 0
     for output in outputs:
@@ -191,7 +241,8 @@ def _generate(args: argparse.Namespace) -> None:
         if output.error:
             print(f"{output.prompt!r} refused: {output.error}")
             continue
-        print(f"{output.prompt!r} -> {completion.text!r} ({completion.finish_reason})")
+        adapter = f" [LoRA {output.lora_request.lora_name}]" if output.lora_request else ""
+        print(f"{output.prompt!r}{adapter} -> {completion.text!r} ({completion.finish_reason})")
         print(f"    prompt token ids: {output.prompt_token_ids}")
         print(f"    output token ids: {completion.token_ids}")
     print(f"{num_tokens} output tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s")
@@ -245,7 +296,9 @@ def _bench(args: argparse.Namespace) -> None:
     from jaxrunner.roofline import copy_bytes_per_s
 
     _check_workload(args)  # before the model loads
+    loras = _lora_requests(args)
     llm = _make_llm(args)
+    _check_loras(llm, loras)
     # The copy rate that bounds the run, measured before it on what the KV cache leaves free
     # (256 MiB copied on a GPU; a token size on a CPU, whose figure only shows the arithmetic).
     copy_rate = copy_bytes_per_s(1 << 27 if jax.default_backend() == "gpu" else 1 << 16)
@@ -261,7 +314,7 @@ def _bench(args: argparse.Namespace) -> None:
         SamplingParams(temperature=0.0 if args.greedy else 1.0, max_tokens=int(n), ignore_eos=True) for n in output_lens
     ]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet, lora_request=_spread(loras, len(prompts)))
     elapsed = time.perf_counter() - start
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_input = int(input_lens.sum())
@@ -280,6 +333,7 @@ def _bench(args: argparse.Namespace) -> None:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "range_ratio": args.range_ratio,
+        "lora_adapters": [lora.lora_name for lora in loras],
         "elapsed_s": elapsed,
         "requests_per_s": len(outputs) / elapsed,
         "output_tokens_per_s": num_output / elapsed,

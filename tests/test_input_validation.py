@@ -10,6 +10,7 @@ from runner_driver import make_runner
 from jaxrunner import LLM, SamplingParams
 from jaxrunner.envs import MAX_N_SEQUENCES_ENV_VAR
 from jaxrunner.interfaces import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from jaxrunner.lora.request import LoRARequest
 from jaxrunner.models import init_random_model
 from jaxrunner.models.builtin import BUILTIN_MODELS
 
@@ -104,10 +105,10 @@ def test_runner_refuses_what_it_cannot_do_yet_and_keeps_its_state(fields, missin
     assert isinstance(output, ModelRunnerOutput) and output.req_ids == ["plain"]
 
 
-def test_llm_refuses_a_lora_request_before_adding_any_prompt():
+def test_llm_without_lora_refuses_a_lora_request_before_adding_any_prompt():
     llm = LLM("tiny-llama", max_model_len=64, max_num_seqs=2)
-    with pytest.raises(NotImplementedError, match="LoRA adapters are not supported yet"):
-        llm.generate(["a", "b"], lora_request=object(), use_tqdm=False)
+    with pytest.raises(ValueError, match="LoRA is off in this LLM: make it with LLM\\(..., enable_lora=True\\)"):
+        llm.generate(["a", "b"], lora_request=[None, LoRARequest("sql", 1, "/adapters/sql")], use_tqdm=False)
     assert not llm.replicas.has_unfinished_requests()
 
 

@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = {"jaxrunner": ROOT / "jaxrunner", "jaxrunner.models": ROOT / "models", "jaxrunner.ops": ROOT / "ops"}
 # Lower rank is lower in the stack; a module imports only its own rank or below.
 FRONT, ENGINE, RUNNER, MODELS, KERNELS, BASE = 5, 4, 3, 2, 1, 0
-BASE_MODULES = {"config", "interfaces", "compat", "envs", "sharding", "spans"}
+BASE_MODULES = {"config", "interfaces", "compat", "envs", "sharding", "spans", "lora"}
 
 
 def _rank(module: str) -> int:

@@ -1,7 +1,8 @@
 """Input processing: a prompt and its sampling parameters become the scheduler's ``Request``s.
 
 It tokenizes text prompts, refuses what could never run (a ``ValueError``
-whose message the caller returns as the request's error output), resolves
+whose message the caller returns as the request's error output; a LoRA
+adapter that cannot be read or does not fit the model among them), resolves
 what the runner needs as token ids (stop ids with EOS, bad words), fans
 ``n > 1`` out into one request per sequence and registers their grammars.
 vLLM's ``v1/engine/processor.py`` does this job there.
@@ -12,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from jaxrunner.engine.lora_requests import LoRARequestChecker
 from jaxrunner.engine.prompts import ParsedPrompt
 from jaxrunner.engine.request import Request
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.engine.structured_outputs import StructuredOutputManager
 from jaxrunner.interfaces import SamplingParams
+from jaxrunner.lora.request import LoRARequest
 from jaxrunner.runner.model_runner import ModelRunner
 
 
@@ -45,6 +48,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.structured_outputs = structured_outputs
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.lora_requests = LoRARequestChecker(runner.config.lora_config, runner.model_arch)
 
     def tokenize(self, prompt: ParsedPrompt) -> list[int]:
         """The prompt's token ids: its text encoded, or its ids checked against the vocabulary."""
@@ -68,12 +72,17 @@ class InputProcessor:
             for request in requests:
                 self.structured_outputs.remove_request(request.request_id)
 
-    def make_requests(self, request_id: str, token_ids: list[int], params: SamplingParams) -> list[Request]:
-        """The ``n`` requests of a prompt, their grammars registered; ``ValueError`` if it cannot run."""
+    def make_requests(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, lora_request: LoRARequest | None = None
+    ) -> list[Request]:
+        """The ``n`` requests of a prompt, with ``lora_request``'s adapter (None: the base model), their
+        grammars registered; ``ValueError`` if it cannot run."""
         self._validate(token_ids, params)
+        if lora_request is not None:
+            self.lora_requests.check(lora_request)
         params = self._with_token_lists(params)
         self.runner.check_sampling_params(params)
-        requests = self._fan_out(request_id, token_ids, params)
+        requests = self._fan_out(request_id, token_ids, params, lora_request)
         self._add_grammars(requests, params)
         return requests
 
@@ -118,7 +127,9 @@ class InputProcessor:
                     bad_words.append(ids)
         return dataclasses.replace(params, all_stop_token_ids=stop_ids, bad_words_token_ids=bad_words)
 
-    def _fan_out(self, request_id: str, token_ids: list[int], params: SamplingParams) -> list[Request]:
+    def _fan_out(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, lora_request: LoRARequest | None
+    ) -> list[Request]:
         """One request per sequence; with ``n > 1`` child i is ``f"{i}_{request_id}"`` and samples with seed + i."""
         arrival = time.monotonic()
         # Children differ only in their seeds, which decide nothing here.
@@ -137,6 +148,7 @@ class InputProcessor:
                     self.eos_token_id,
                     arrival_time=arrival,
                     multi_step_ok=multi_step_ok,
+                    lora_request=lora_request,
                 )
             )
         return requests

@@ -4,7 +4,9 @@ The pool hands out fixed-size KV blocks. Each block has a reference count (how
 many running requests hold it); blocks nobody holds sit in a free queue in LRU
 order. A FULL block is also registered under a hash chained with its parent's,
 so a later request whose prompt starts with the same tokens can reuse the KV
-instead of recomputing it. Freed blocks keep their hash until the free queue
+instead of recomputing it. A request's ``extra_key`` (its LoRA adapter's name,
+as vLLM's extra hash keys) seeds its chain: requests of different keys never
+share a block, requests of the same key do. Freed blocks keep their hash until the free queue
 hands them out again, which is the eviction. Every call touches only the blocks
 it takes, frees or hashes; nothing scans the pool (except reset_prefix_cache,
 which walks the cached blocks once).
@@ -25,6 +27,11 @@ def _block_hash(parent: int, block_tokens: Sequence[int]) -> int:
     return hash((parent, tuple(block_tokens)))
 
 
+def _root_hash(extra_key: str | None) -> int:
+    """Parent hash of a sequence's first block: what besides the tokens its KV depends on."""
+    return _ROOT_HASH if extra_key is None else hash((_ROOT_HASH, extra_key))
+
+
 @dataclasses.dataclass
 class PrefixCacheStats:
     """Prefix-cache counters in tokens: tokens looked up, tokens found cached."""
@@ -40,8 +47,10 @@ class PrefixCacheStats:
 
 @dataclasses.dataclass
 class _RequestBlocks:
-    """A request's blocks in order, and the chain hashes of its leading full blocks."""
+    """A request's blocks in order, the chain hashes of its leading full blocks, and the parent hash of
+    its first block (``_root_hash``)."""
 
+    root: int
     blocks: list[int] = dataclasses.field(default_factory=list)
     hashes: list[int] = dataclasses.field(default_factory=list)
 
@@ -106,19 +115,22 @@ class KVCacheManager:
         old, self.stats = self.stats, PrefixCacheStats()
         return old
 
-    def get_computed_blocks(self, req_id: str, token_ids: Sequence[int]) -> tuple[list[int], int]:
-        """Cached blocks of the longest cached prefix of ``token_ids`` and the tokens they hold.
+    def get_computed_blocks(
+        self, req_id: str, token_ids: Sequence[int], extra_key: str | None = None
+    ) -> tuple[list[int], int]:
+        """Cached blocks of the longest cached prefix of ``token_ids`` under ``extra_key`` and the tokens
+        they hold.
 
         The last token is always left to compute (its logits are needed), so at most
         ``(len(token_ids) - 1) // block_size`` blocks match. Only the stats change; the
         blocks are taken by the following ``allocate_slots``. ``req_id`` is unused: the
-        lookup depends on the tokens alone.
+        lookup depends on the tokens and ``extra_key`` alone.
         """
         if not self.enable_caching:
             return [], 0
         bs = self.block_size
         blocks: list[int] = []
-        parent = _ROOT_HASH
+        parent = _root_hash(extra_key)
         for i in range(max(0, len(token_ids) - 1) // bs):
             parent = _block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             block = self._cached.get(parent)
@@ -137,11 +149,13 @@ class KVCacheManager:
         num_new_tokens: int,
         num_computed_tokens: int,
         new_computed_blocks: Sequence[int] = (),
+        extra_key: str | None = None,
     ) -> list[int] | None:
         """Grow the request's blocks to cover ``num_computed_tokens + num_new_tokens`` tokens.
 
         ``new_computed_blocks`` (from ``get_computed_blocks``, first call only) become the
-        head of the request's list. Returns the newly appended block ids, or None, with
+        head of the request's list; ``extra_key`` (first call only, as given to
+        ``get_computed_blocks``) seeds the hashes of its blocks. Returns the newly appended block ids, or None, with
         nothing changed, if the free queue is too short. Blocks that are full once this
         step's tokens are computed get registered in the prefix cache.
         """
@@ -150,7 +164,7 @@ class KVCacheManager:
         new_blocks: list[int] = []
         # Most decode steps stay within the request's blocks: nothing to allocate then.
         if req is None or new_computed_blocks or num_tokens > len(req.blocks) * self.block_size:
-            grown = self._grow(req_id, req, token_ids, num_tokens, list(new_computed_blocks))
+            grown = self._grow(req_id, req, token_ids, num_tokens, list(new_computed_blocks), extra_key)
             if grown is None:
                 return None
             req, new_blocks = grown
@@ -160,16 +174,23 @@ class KVCacheManager:
         return new_blocks
 
     def _grow(
-        self, req_id: str, req: _RequestBlocks | None, token_ids: Sequence[int], num_tokens: int, computed: list[int]
+        self,
+        req_id: str,
+        req: _RequestBlocks | None,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        computed: list[int],
+        extra_key: str | None,
     ) -> tuple[_RequestBlocks, list[int]] | None:
         """Take the computed blocks and enough free ones for ``num_tokens``; None if too few are free."""
-        computed_hashes = self._verified_hashes(req, token_ids, computed) if computed else []
+        root = _root_hash(extra_key)
+        computed_hashes = self._verified_hashes(req, token_ids, computed, root) if computed else []
         num_new = max(0, self.num_blocks_to_grow(req_id, num_tokens) - len(computed))
         num_revived = sum(1 for b in computed if self._ref_counts[b] == 0)
         if num_new + num_revived > len(self._free):
             return None
         if req is None:
-            req = self._requests[req_id] = _RequestBlocks()
+            req = self._requests[req_id] = _RequestBlocks(root)
         for block in computed:
             self._take(block)
         req.blocks.extend(computed)
@@ -201,7 +222,9 @@ class KVCacheManager:
         self._cached.clear()
         return True
 
-    def _verified_hashes(self, req: _RequestBlocks | None, token_ids: Sequence[int], computed: list[int]) -> list[int]:
+    def _verified_hashes(
+        self, req: _RequestBlocks | None, token_ids: Sequence[int], computed: list[int], root: int
+    ) -> list[int]:
         """Chain hashes of the computed blocks, checked to still be cached for these tokens.
 
         Catches a stale ``get_computed_blocks`` result (blocks evicted and reused since).
@@ -210,7 +233,7 @@ class KVCacheManager:
             raise ValueError("new_computed_blocks may only be passed on a request's first allocation.")
         bs = self.block_size
         hashes: list[int] = []
-        parent = _ROOT_HASH
+        parent = root
         for i, block in enumerate(computed):
             parent = _block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             if self._hashes[block] != parent:
@@ -241,7 +264,7 @@ class KVCacheManager:
         """Hash the request's newly full blocks; register each hash not cached yet."""
         bs = self.block_size
         for i in range(len(req.hashes), num_full):
-            parent = req.hashes[-1] if req.hashes else _ROOT_HASH
+            parent = req.hashes[-1] if req.hashes else req.root
             block_hash = _block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             req.hashes.append(block_hash)
             if block_hash not in self._cached:

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from jaxrunner.config import (
     CacheConfig,
     CompilationConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     RunnerConfig,
@@ -32,6 +33,7 @@ from jaxrunner.engine.outputs import RequestOutput
 from jaxrunner.engine.prompts import ParsedPrompt, PromptType, as_prompt_list, parse_prompt
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.interfaces import RequestOutputKind, SamplingParams
+from jaxrunner.lora.request import LoRARequest
 from jaxrunner.models.builtin import DEFAULT_DTYPES, check_model_name, is_builtin
 from jaxrunner.models.safetensors_io import CONFIG_FILE, read_json_object
 from jaxrunner.models.tokenizer import build_byte_tokenizer, load_tokenizer
@@ -56,6 +58,7 @@ class _NewRequest(NamedTuple):
     request_id: str
     prompt: ParsedPrompt
     params: SamplingParams
+    lora_request: LoRARequest | None
 
 
 def _checkpoint_dtype(model_dir: str) -> str:
@@ -90,6 +93,15 @@ class LLM:
     loads no tokenizer (a checkpoint may have none): prompts must then be
     token ids, outputs carry token ids and empty text, and no EOS token is known
     (as vLLM's; set ``stop_token_ids`` to stop on one).
+
+    ``enable_lora=True`` serves LoRA adapters in PEFT's format, as vLLM's: a call's
+    ``lora_request`` (a ``LoRARequest``, ``jaxrunner.lora.request``) runs every prompt
+    with that adapter, or a list of one per prompt (None: the base model). One
+    step mixes at most ``max_loras`` adapters (the adapters' device slots; prompts
+    of others wait their turn); ``max_lora_rank`` is the largest rank an adapter
+    may have; ``max_cpu_loras`` adapters stay read in host memory (None:
+    ``max_loras``). An adapter that cannot be read or does not fit the model is
+    refused for its prompts alone, with an error output naming it.
 
     A prompt is text, token ids (Python or NumPy integers, or a 1-D integer
     array) or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict (``jaxrunner.inputs``);
@@ -141,6 +153,10 @@ class LLM:
         data_parallel_size: int = 1,
         seed: int = 0,
         skip_tokenizer_init: bool = False,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ):
         check_model_name(model)  # before anything is built: a misspelled name or a hub id gets the built-in names
         on_cpu = jax.default_backend() == "cpu"
@@ -190,6 +206,7 @@ class LLM:
             speculative_config=(
                 SpeculativeConfig(**speculative_config) if isinstance(speculative_config, dict) else speculative_config
             ),
+            lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
         )
         self.config = config
         self.replicas = DataParallelEngines([self._make_engine(mesh, i) for i, mesh in enumerate(meshes)])
@@ -214,7 +231,8 @@ class LLM:
         cache = config.cache_config
         manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching)
         lookahead = config.num_speculative_tokens if config.uses_draft_model else 0
-        scheduler = Scheduler(config.scheduler_config, manager, runner.max_model_len, lookahead)
+        max_loras = config.lora_config.max_loras if config.lora_config is not None else None
+        scheduler = Scheduler(config.scheduler_config, manager, runner.max_model_len, lookahead, max_loras)
         return LLMEngine(runner, scheduler, self.tokenizer)
 
     def get_tokenizer(self) -> transformers.PreTrainedTokenizerBase:
@@ -229,14 +247,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: object | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order.
 
-        A prompt the engine refuses (empty, too long, token ids outside the
-        vocabulary, bad parameters) gets a finished output whose ``error`` says
-        why; the others still run. ``lora_request`` (vLLM's) is refused: LoRA
-        adapters are not supported yet.
+        ``lora_request``: the LoRA adapter of every prompt, or a list of one per
+        prompt (None: the base model). A prompt the engine refuses (empty, too
+        long, token ids outside the vocabulary, bad parameters, an adapter that
+        cannot be read or does not fit the model) gets a finished output whose
+        ``error`` says why; the others still run.
         """
         requests = self._new_requests(prompts, sampling_params, lora_request)
         finished: dict[str, RequestOutput] = {}
@@ -253,7 +272,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        lora_request: object | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> Generator[RequestOutput, None, None]:
         """Yield outputs as tokens arrive; each carries only the new text and token ids.
 
@@ -274,11 +293,11 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: object | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations, rendered by the tokenizer's chat template."""
-        _refuse_lora(lora_request)
+        """Generate replies to conversations, rendered by the tokenizer's chat template; ``lora_request``
+        as ``generate``'s, one per conversation if a list."""
         if self.tokenizer is None:
             raise ValueError(
                 "LLM.chat renders conversations with the tokenizer's chat template, and this LLM has no "
@@ -297,7 +316,7 @@ class LLM:
         prompts: list[PromptType] = [
             list(p["input_ids"]) if isinstance(p, Mapping) else cast(list[int], list(p)) for p in encoded
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ------------------------------------------------------------ requests
 
@@ -305,11 +324,10 @@ class LLM:
         self,
         prompts: object,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        lora_request: object | None,
+        lora_request: object,
     ) -> list[_NewRequest]:
-        """The call's prompts checked for their form, with their parameters and request ids; raises
-        (naming the prompt) before any prompt reaches the engine if one cannot be taken."""
-        _refuse_lora(lora_request)
+        """The call's prompts checked for their form, with their parameters, adapters and request ids;
+        raises (naming the prompt) before any prompt reaches the engine if one cannot be taken."""
         parsed = [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(as_prompt_list(prompts))]
         if self.tokenizer is None:
             for i, prompt in enumerate(parsed):
@@ -319,6 +337,7 @@ class LLM:
                         "pass token ids ({'prompt_token_ids': [...]}) or drop skip_tokenizer_init."
                     )
         params = self._params_per_prompt(sampling_params, len(parsed))
+        loras = self._loras_per_prompt(lora_request, len(parsed))
         num_sequences = sum(p.n for p in params if isinstance(p, SamplingParams) and isinstance(p.n, int))
         if num_sequences > self.max_sequences_per_call:
             raise ValueError(
@@ -326,7 +345,7 @@ class LLM:
                 f"than LLM.max_sequences_per_call ({self.max_sequences_per_call}): split the prompts across "
                 "calls, or raise llm.max_sequences_per_call."
             )
-        return [_NewRequest(self.replicas.next_request_id(), p, sp) for p, sp in zip(parsed, params)]
+        return [_NewRequest(self.replicas.next_request_id(), p, sp, lora) for p, sp, lora in zip(parsed, params, loras)]
 
     @staticmethod
     def _params_per_prompt(
@@ -342,6 +361,32 @@ class LLM:
                 f"Got {len(sampling_params)} sampling params for {num_prompts} prompts; give one or one each."
             )
         return list(sampling_params)
+
+    def _loras_per_prompt(self, lora_request: object, num_prompts: int) -> list[LoRARequest | None]:
+        """One adapter (None: the base model) for each prompt: the given one for all, or one each
+        (vLLM's forms); refused if LoRA is off and any is given."""
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != num_prompts:
+                raise ValueError(
+                    f"Got {len(lora_request)} LoRA requests for {num_prompts} prompts; give one for all, "
+                    "or one each (None: the base model)."
+                )
+            named = [(f"lora_request[{i}]", lora) for i, lora in enumerate(lora_request)]
+        else:
+            named = [("lora_request", lora_request)] * num_prompts
+        for where, lora in named:
+            if lora is not None and not isinstance(lora, LoRARequest):
+                raise ValueError(
+                    f"{where} must be a LoRARequest (from jaxrunner.lora.request import LoRARequest) or None; "
+                    f"got {type(lora).__name__}."
+                )
+        loras = [cast(LoRARequest | None, lora) for _, lora in named]
+        if self.config.lora_config is None and any(lora is not None for lora in loras):
+            raise ValueError(
+                "Got a lora_request, but LoRA is off in this LLM: make it with LLM(..., enable_lora=True), "
+                "with max_loras and max_lora_rank as your adapters need."
+            )
+        return loras
 
     def _run(self, requests: list[_NewRequest], output_kind: RequestOutputKind) -> Generator[RequestOutput, None, None]:
         """Queue the call's prompts, then step the engines until every one has finished, yielding its
@@ -406,11 +451,3 @@ class LLM:
             inbox = self._inboxes.get(output.request_id)
             if inbox is not None:
                 inbox.append(output)
-
-
-def _refuse_lora(lora_request: object | None) -> None:
-    """vLLM's ``lora_request`` argument, refused until LoRA adapters are supported."""
-    if lora_request is not None:
-        raise NotImplementedError(
-            f"lora_request={lora_request!r}: LoRA adapters are not supported yet; call without lora_request."
-        )

@@ -34,6 +34,7 @@ from jaxrunner.interfaces import (
     SamplingParams,
     SchedulerOutput,
 )
+from jaxrunner.lora.request import LoRARequest
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.runner.step_recovery import reset_runner
 
@@ -128,29 +129,37 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput | None:
         """Queue a prompt (text, token ids, a TextPrompt or TokensPrompt dict); returns a finished error
         output instead if the request is invalid. ``output_kind`` (vLLM's ``SamplingParams.output_kind``)
         says which of its outputs ``step`` returns: CUMULATIVE the whole text so far, DELTA only what is
-        new since the last one (streaming), FINAL_ONLY only the finished prompt's."""
-        prepared = self.prepare_request(request_id, parse_prompt(prompt), params)
+        new since the last one (streaming), FINAL_ONLY only the finished prompt's. ``lora_request``
+        names the LoRA adapter it runs with (None: the base model)."""
+        prepared = self.prepare_request(request_id, parse_prompt(prompt), params, lora_request)
         if isinstance(prepared, RequestOutput):
             return prepared
         self.add_prepared(prepared, output_kind)
         return None
 
     def prepare_request(
-        self, request_id: str, prompt: ParsedPrompt, params: SamplingParams
+        self, request_id: str, prompt: ParsedPrompt, params: SamplingParams, lora_request: LoRARequest | None = None
     ) -> PreparedPrompt | RequestOutput:
         """A prompt checked and made into its requests without queueing it, or the finished error output
         of a refused one. Its grammars are registered already: ``add_prepared`` or ``discard`` it."""
         token_ids: list[int] = []
         try:
             token_ids = self.input_processor.tokenize(prompt)
-            requests = self.input_processor.make_requests(request_id, token_ids, params)
+            requests = self.input_processor.make_requests(request_id, token_ids, params, lora_request)
         except ValueError as error:
-            return refused_output(request_id, prompt.text, token_ids, str(error))
+            return refused_output(request_id, prompt.text, token_ids, str(error), lora_request)
         return PreparedPrompt(request_id, prompt.text, token_ids, requests)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check a LoRA adapter now (vLLM's name), so that no request naming it is refused for
+        it later; ``ValueError`` naming the adapter and what is wrong otherwise."""
+        self.input_processor.lora_requests.check(lora_request)
+        return True
 
     def discard(self, prepared: PreparedPrompt) -> None:
         """Forget a prepared prompt that will not be added."""

@@ -19,9 +19,12 @@ from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.engine.structured_outputs import StructuredOutputManager
 from jaxrunner.interfaces import ModelRunnerOutput, RequestOutputKind, SamplingParams
+from jaxrunner.lora.request import LoRARequest
 
 
-def refused_output(request_id: str, prompt: str | None, token_ids: list[int], error: str) -> RequestOutput:
+def refused_output(
+    request_id: str, prompt: str | None, token_ids: list[int], error: str, lora_request: LoRARequest | None = None
+) -> RequestOutput:
     """The finished output of a request the engine refused, ``error`` saying why."""
     return RequestOutput(
         request_id,
@@ -30,6 +33,7 @@ def refused_output(request_id: str, prompt: str | None, token_ids: list[int], er
         [CompletionOutput(0, "", [], finish_reason="error")],
         finished=True,
         error=error,
+        lora_request=lora_request,
     )
 
 
@@ -297,4 +301,5 @@ class OutputProcessor:
             entry.finished,
             metrics,
             prompt_logprobs=entry.prompt_logprobs,
+            lora_request=entry.sequences[0].request.lora_request,
         )

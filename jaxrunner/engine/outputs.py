@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrunner.lora.request import LoRARequest
+
 
 @dataclasses.dataclass
 class RequestMetrics:
@@ -73,3 +75,5 @@ class RequestOutput:
     error: str | None = None
     # None for the first prompt token, then one dict per prompt position.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    lora_request: LoRARequest | None = None
+    """The adapter the prompt ran with (None: the base model)."""

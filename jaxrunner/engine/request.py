@@ -7,6 +7,7 @@ import enum
 import time
 
 from jaxrunner.interfaces import SamplingParams
+from jaxrunner.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -58,6 +59,8 @@ class Request:
     # The request ends only at its length limit (no EOS, stop token, stop string or grammar) and
     # samples by the runner's plain program: it may run several decode steps per round.
     multi_step_ok: bool = False
+    # The LoRA adapter the request runs with (None: the base model alone).
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         # Prompt then outputs, kept as one list: the block hashes read it every step.
@@ -72,6 +75,16 @@ class Request:
         """End the request with ``status`` (a finished one), now."""
         self.status = status
         self.finished_time = time.monotonic()
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model (vLLM's convention)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def lora_name(self) -> str | None:
+        """The adapter's name, None for the base model: what its KV blocks' hashes add to the tokens."""
+        return self.lora_request.lora_name if self.lora_request is not None else None
 
     @property
     def num_tokens(self) -> int:

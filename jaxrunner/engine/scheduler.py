@@ -7,6 +7,14 @@ across steps (chunked prefill). When KV blocks run out, the most recently
 admitted running request is preempted by recompute: its blocks are freed and
 it waits at the front of the queue, to come back later as a new request with
 all its tokens. No request is ever dropped.
+
+With LoRA, as vLLM's: the running requests use at most ``max_loras`` distinct
+adapters (the base model not counted), the device's adapter slots; a waiting
+request whose adapter has no slot is skipped, keeping its place in the queue,
+and later requests may start past it. So that it is never starved, the adapter
+that has held its slot longest then takes no new request until its running
+requests end and the slot frees (``_lora_to_free``): the skipped request, first
+in the queue among those waiting for a slot, takes it.
 """
 
 from __future__ import annotations
@@ -74,8 +82,13 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         num_lookahead_tokens: int = 0,
+        max_loras: int | None = None,
     ):
         self.config = config
+        # Distinct adapters the running requests may use (None: LoRA off).
+        self.max_loras = max_loras
+        # An adapter that takes no new request until its slot frees, for a request waiting for one.
+        self._lora_to_free: int | None = None
         # Slots past the scheduled tokens that a device-side drafter writes into.
         self.num_lookahead_tokens = num_lookahead_tokens
         self.kv_cache_manager = kv_cache_manager
@@ -122,6 +135,7 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self._finished_req_ids.clear()
+        self._lora_to_free = None
 
     @property
     def num_unfinished(self) -> int:
@@ -181,18 +195,26 @@ class Scheduler:
             self._advance_computed(request, num_new, steps, len(drafts))
             index += 1
 
-        # Waiting requests only when nothing was preempted this step (as vLLM), and never into a round.
+        # Waiting requests only when nothing was preempted this step (as vLLM), and never into a round;
+        # in order, past those waiting for an adapter slot.
+        loras = self._running_loras()
+        waiting_index = 0
         while (
             steps == 1
             and not preempted
-            and self.waiting
+            and waiting_index < len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting[waiting_index]
+            if self._waits_for_lora_slot(request, loras):
+                waiting_index += 1
+                continue
             tokens = request.all_token_ids
             if request.sampling_params.prompt_logprobs is None:
-                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request.request_id, tokens)
+                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(
+                    request.request_id, tokens, request.lora_name
+                )
             else:  # every prompt token must be computed to score it
                 computed_blocks, num_computed = [], 0
             remaining = len(tokens) - num_computed
@@ -205,13 +227,16 @@ class Scheduler:
                 num_new + self._lookahead(request, num_new, num_computed),
                 num_computed,
                 computed_blocks,
+                request.lora_name,
             )
             if new_blocks is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[waiting_index]
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             self.running.append(request)
+            if request.lora_int_id:
+                loras.setdefault(request.lora_int_id, None)
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -220,6 +245,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=(self.kv_cache_manager.get_block_ids(request.request_id),),
                     num_computed_tokens=num_computed,
+                    lora_request=request.lora_request,
                 )
             )
             num_scheduled[request.request_id] = num_new
@@ -240,6 +266,31 @@ class Scheduler:
             preempted_req_ids=preempted,
             num_decode_steps=steps,
         )
+
+    def _running_loras(self) -> dict[int, None]:
+        """The adapters of the running requests (ids, base model left out), in the order they started
+        (none with LoRA off); forgets ``_lora_to_free`` once its slot is free."""
+        if self.max_loras is None:
+            return {}
+        loras = dict.fromkeys(r.lora_int_id for r in self.running if r.lora_int_id)
+        if self._lora_to_free not in loras:
+            self._lora_to_free = None
+        return loras
+
+    def _waits_for_lora_slot(self, request: Request, loras: dict[int, None]) -> bool:
+        """Whether the waiting request must wait for an adapter slot: its adapter is not running and
+        ``max_loras`` others are, or its adapter is the one being freed. The first such request picks
+        the adapter to free: the one whose requests started first."""
+        lora = request.lora_int_id
+        if not lora or self.max_loras is None:
+            return False
+        if lora == self._lora_to_free:
+            return True
+        if lora in loras or len(loras) < self.max_loras:
+            return False
+        if self._lora_to_free is None:
+            self._lora_to_free = next(iter(loras))
+        return True
 
     @staticmethod
     def _advance_computed(request: Request, num_new: int, steps: int, num_drafts: int = 0) -> None:
