@@ -90,7 +90,7 @@ def _step(*new_reqs: NewRequestData) -> SchedulerOutput:
 @pytest.mark.parametrize(
     "fields, missing",
     [
-        ({"lora_request": object()}, "LoRA adapters are not supported yet"),
+        ({"lora_request": object()}, "has a lora_request, but LoRA is off"),
         ({"mm_features": [object()]}, "multimodal encoder is not supported yet"),
         ({"block_ids": ([1], [2])}, "2 KV-cache groups"),
     ],
