@@ -48,7 +48,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.structured_outputs = structured_outputs
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
-        self.lora_requests = LoRARequestChecker(runner.config.lora_config, runner.model_arch)
+        self.lora_requests = LoRARequestChecker(runner)
 
     def tokenize(self, prompt: ParsedPrompt) -> list[int]:
         """The prompt's token ids: its text encoded, or its ids checked against the vocabulary."""

@@ -1,26 +1,24 @@
-"""The LoRA adapters requests name, each read and checked against the base model once.
+"""The LoRA adapters requests name, each checked once when its first request is added.
 
 A request's adapter is refused, for that request alone, with a ``ValueError``
 naming it: LoRA off, an adapter that cannot be read or does not fit the base
-model (``read_lora_adapter``), or an id or name already given to another
-adapter (requests of one ``lora_int_id`` share its device slot, requests of one
-``lora_name`` their prefix-cache blocks, so each must name one adapter).
+model (the runner reads it into its host LRU, where the request then finds it:
+one read), or an id or name already given to another adapter (requests of one
+``lora_int_id`` share its device slot, requests of one ``lora_name`` their
+prefix-cache blocks, so each must name one adapter).
 """
 
 from __future__ import annotations
 
-from jaxrunner.config import LoRAConfig
 from jaxrunner.lora.request import LoRARequest
-from jaxrunner.models.lora_adapter import read_lora_adapter
-from jaxrunner.models.transformer import TransformerConfig
+from jaxrunner.runner.model_runner import ModelRunner
 
 
 class LoRARequestChecker:
     """Checks each request's ``LoRARequest``; an adapter read once is not read again."""
 
-    def __init__(self, lora_config: LoRAConfig | None, model_config: TransformerConfig):
-        self.lora_config = lora_config
-        self.model_config = model_config
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
         self._checked: dict[int, LoRARequest] = {}  # by lora_int_id
         self._ids_by_name: dict[str, int] = {}
 
@@ -32,7 +30,7 @@ class LoRARequestChecker:
                 f"got {type(lora_request).__name__}."
             )
         name, lora_id, path = lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path
-        if self.lora_config is None:
+        if self.runner.config.lora_config is None:
             raise ValueError(f"LoRA adapter {name!r}: LoRA is off in this engine; make it with enable_lora=True.")
         known = self._checked.get(lora_id)
         if known == lora_request:
@@ -48,6 +46,6 @@ class LoRARequestChecker:
                 f"lora_int_id {self._ids_by_name[name]}, and prefix caching shares KV blocks by name; give each "
                 "adapter its own lora_name."
             )
-        read_lora_adapter(name, path, self.model_config, self.lora_config.max_lora_rank)
+        self.runner.check_lora_request(lora_request)
         self._checked[lora_id] = lora_request
         self._ids_by_name[name] = lora_id
