@@ -19,6 +19,11 @@ program (multi-step scheduling), and every time is per decode step. With
 devices, each reading 1/N of the bytes: the floor is the bytes over N copy
 rates, and the profile reports the all-reduces' share of the kernel time.
 
+With ``--loras N`` every case runs again on a runner with N random adapters of
+``--lora-rank`` on all seven projections (PEFT's format, requests spread over
+them) beside the same weights: each step's time over the plain runner's is the
+cost of LoRA serving.
+
 With ``--shape llama3-8b-narrow`` (the 8B's layers, heads and vocabulary with
 narrow matrices) the step's floor is tiny and its time is the fixed cost every
 step pays. ``--shape tiny`` runs on a CPU in seconds (the test suite's check).
@@ -26,6 +31,7 @@ step pays. ``--shape tiny`` runs on a CPU in seconds (the test suite's check).
     python -m benchmarks.decode_step --out decode_step.json
     python -m benchmarks.decode_step --batches 1 16 64 256 --contexts 1024 4096 --out decode_step.json
     python -m benchmarks.decode_step --tensor-parallel-size 2 --profile --out tp2.json
+    python -m benchmarks.decode_step --batches 1 64 --contexts 1024 --loras 4 --lora-rank 16 --out lora.json
 """
 
 from __future__ import annotations
@@ -57,17 +63,19 @@ from benchmarks.harness import (
     device_memory,
     measure_floors,
     median_step,
+    random_adapters,
     steps_per_round,
     time_decode,
     write_json,
 )
+from jaxrunner.config import LoRAConfig
 from jaxrunner.runner.model_runner import ModelRunner
 
 # Kernel names of an all-reduce: NCCL's (ncclDevKernel_AllReduce_...) and XLA's own.
 ALL_REDUCE_KERNEL = re.compile(r"all[-_ ]?reduce", re.IGNORECASE)
 
 
-def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rng, top: int = 12) -> dict:
+def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rng, adapters=(), top: int = 12) -> dict:
     """CUPTI's record of every kernel in ``steps`` pipelined decode steps (plus the first, which adds
     the requests): kernels and kernel time per step, the ``top`` kernel names by time, and the
     all-reduces' time and share of the kernel time. Under tensor parallelism the figures sum
@@ -76,7 +84,7 @@ def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rn
     Kernel time is the sum of the kernels' durations: were two streams to run kernels at
     once, it would count both, so the step's time outside kernels is a lower bound.
     """
-    timings = cupti_kernel_timings(lambda: time_decode(runner, batch, context, steps, rng, True))
+    timings = cupti_kernel_timings(lambda: time_decode(runner, batch, context, steps, rng, True, adapters))
     by_name: dict[str, list[float]] = {}
     for name, ms in timings:
         by_name.setdefault(name, []).append(ms)
@@ -95,12 +103,14 @@ def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rn
     )
 
 
-def traced_timeline(runner: ModelRunner, batch: int, context: int, steps: int, rng, keep: Path | None) -> dict:
+def traced_timeline(
+    runner: ModelRunner, batch: int, context: int, steps: int, rng, keep: Path | None, adapters=()
+) -> dict:
     """The device timeline of ``steps`` pipelined decode steps (plus the first), from a profiler trace,
     with the host's events during its longest gaps; its events are saved to ``keep`` when given."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
-            time_decode(runner, batch, context, steps, rng, True)
+            time_decode(runner, batch, context, steps, rng, True, adapters)
         path = next(Path(trace_dir).rglob("*.xplane.pb"), None)
         if path is None:
             return {"error": "the profiler wrote no trace"}
@@ -121,7 +131,15 @@ def matmul_weights(runner: ModelRunner) -> tuple[int, int]:
 
 
 def measure_case(
-    runner: ModelRunner, batch: int, context: int, args, rng, floors: dict, weight_bytes: int, matmul: tuple[int, int]
+    runner: ModelRunner,
+    batch: int,
+    context: int,
+    args,
+    rng,
+    floors: dict,
+    weight_bytes: int,
+    matmul: tuple[int, int],
+    adapters=(),
 ) -> dict:
     """One batch x context: step times one round at a time and pipelined, against the bandwidth floor and
     the roofline floor; the kernel profile and device timeline when asked for.
@@ -131,8 +149,8 @@ def measure_case(
     parameter) at the matmul rate: from about 200 rows (the device's FLOPs per byte) bf16 GEMMs are
     compute-bound, a time no kernel removes.
     """
-    one_at_a_time = median_step(time_decode(runner, batch, context, args.steps, rng, False))
-    step = median_step(time_decode(runner, batch, context, args.steps, rng, True))
+    one_at_a_time = median_step(time_decode(runner, batch, context, args.steps, rng, False, adapters))
+    step = median_step(time_decode(runner, batch, context, args.steps, rng, True, adapters))
     kv_bytes = batch * (context + 1) * runner.kv_cache_spec.bytes_per_block / runner.block_size
     # Each of the TP devices reads its share of the weights and KV at the copy rate.
     devices = args.tensor_parallel_size
@@ -153,10 +171,10 @@ def measure_case(
         memory=device_memory(),
     )
     if args.profile:
-        row["profile"] = kernel_profile(runner, batch, context, args.steps, rng)
+        row["profile"] = kernel_profile(runner, batch, context, args.steps, rng, adapters)
     if args.trace:
         keep = Path(args.keep_events) / f"events_b{batch}_c{context}.json.gz" if args.keep_events else None
-        row["timeline"] = traced_timeline(runner, batch, context, args.steps, rng, keep)
+        row["timeline"] = traced_timeline(runner, batch, context, args.steps, rng, keep, adapters)
     return row
 
 
@@ -186,6 +204,14 @@ def main() -> None:
         default=1,
         help="split the model over this many devices (the floor divides by it)",
     )
+    parser.add_argument(
+        "--loras",
+        type=int,
+        default=0,
+        help="then run every case again on a runner with this many random adapters (requests spread over "
+        "them) beside the same weights, and give each step's time over the plain runner's",
+    )
+    parser.add_argument("--lora-rank", type=int, default=16, help="the rank of --loras' adapters (on all projections)")
     parser.add_argument("--out", default="decode_step.json")
     parser.add_argument("--profile", action="store_true", help="also record each case's kernels with CUPTI (GPU)")
     parser.add_argument("--trace", action="store_true", help="also trace each case's device timeline (GPU)")
@@ -224,15 +250,41 @@ def main() -> None:
         for bucket, sizes in buckets.items():
             print(f"  {kind} {bucket}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items()), flush=True)
 
-    rng = np.random.default_rng(0)
-    rows = []
-    for batch in args.batches:
-        for context in args.contexts:
-            try:
-                rows.append(measure_case(runner, batch, context, args, rng, floors, weight_bytes, matmul))
-            except Exception as exc:  # out of memory, say: keep the other cases and what was in use
-                rows.append(dict(batch=batch, context=context, error=repr(exc)[:2000], memory=device_memory()))
-                print(f"batch {batch} x {context}: {rows[-1]['error'][:300]}", flush=True)
+    def measure_all(runner: ModelRunner, adapters=()) -> list[dict]:
+        rng = np.random.default_rng(0)
+        rows = []
+        for batch in args.batches:
+            for context in args.contexts:
+                try:
+                    rows.append(measure_case(runner, batch, context, args, rng, floors, weight_bytes, matmul, adapters))
+                except Exception as exc:  # out of memory, say: keep the other cases and what was in use
+                    rows.append(dict(batch=batch, context=context, error=repr(exc)[:2000], memory=device_memory()))
+                    print(f"batch {batch} x {context}: {rows[-1]['error'][:300]}", flush=True)
+        return rows
+
+    rows = measure_all(runner)
+    lora_rows = []
+    if args.loras:
+        weights = runner.model
+        del runner  # its KV cache and programs; the LoRA runner shares the weights
+        runner = build_runner(
+            SHAPES[args.shape],
+            args.batches,
+            max(args.contexts),
+            args.steps,
+            args.scheduler_steps,
+            args.compiler_options,
+            args.tensor_parallel_size,
+            LoRAConfig(max_loras=args.loras, max_lora_rank=args.lora_rank),
+            weights,
+        )
+        runner.capture_model()
+        with tempfile.TemporaryDirectory() as adapter_dir:
+            adapters = random_adapters(runner.model_arch, args.loras, args.lora_rank, adapter_dir)
+            lora_rows = measure_all(runner, adapters)
+        for row, base in zip(lora_rows, rows, strict=True):
+            if "error" not in row and "error" not in base:
+                row.update(loras=args.loras, lora_rank=args.lora_rank, lora_over_base=row["step_ms"] / base["step_ms"])
     result = dict(
         **facts,
         shape=args.shape,
@@ -247,6 +299,7 @@ def main() -> None:
         memory=memory,
         **floors,
         rows=rows,
+        lora_rows=lora_rows,
     )
     write_json(args.out, result)
     print(
@@ -269,7 +322,13 @@ def main() -> None:
             f"{r['roofline_floor_ms']:>11.2f} {r['roofline_ratio']:>6.2f} {r['tokens_per_s']:>8.0f} "
             f"{r['one_at_a_time_ms']:>14.2f}"
         )
-    for r in rows:
+    for r in lora_rows:
+        if "lora_over_base" in r:
+            print(
+                f"with {r['loras']} adapters of rank {r['lora_rank']}, batch {r['batch']} x {r['context']}: "
+                f"{r['step_ms']:.2f} ms a step, {r['lora_over_base']:.3f}x the plain runner's"
+            )
+    for r in rows + lora_rows:
         if "profile" in r:
             prof = r["profile"]
             print(

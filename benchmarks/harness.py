@@ -17,13 +17,21 @@ import re
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxrunner.config import CacheConfig, CompilationConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
+from jaxrunner.config import (
+    CacheConfig,
+    CompilationConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from jaxrunner.interfaces import (
     AsyncModelRunnerOutput,
     CachedRequestData,
@@ -31,8 +39,10 @@ from jaxrunner.interfaces import (
     SamplingParams,
     SchedulerOutput,
 )
-from jaxrunner.models import TransformerConfig, init_random_model
+from jaxrunner.lora.request import LoRARequest
+from jaxrunner.models import CausalLM, TransformerConfig, init_random_model
 from jaxrunner.models.builtin import BUILTIN_MODELS
+from jaxrunner.models.random_lora import save_random_lora_adapter
 from jaxrunner.roofline import copy_bytes_per_s, median_seconds
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.sharding import make_mesh
@@ -234,11 +244,14 @@ def build_runner(
     scheduler_steps: int = 1,
     compiler_options: dict | None = None,
     tensor_parallel_size: int = 1,
+    lora_config: LoRAConfig | None = None,
+    weights: CausalLM | None = None,
 ) -> ModelRunner:
     """A runner on a random-weight bf16 ``model``, buckets exactly ``batches``, a random KV cache for
     ``max(batches)`` requests of ``max_context`` tokens and ``steps`` rounds more, ``scheduler_steps``
     decode steps per round, its programs compiled with ``compiler_options`` (None: the runner's
-    defaults), the model split over ``tensor_parallel_size`` devices."""
+    defaults), the model split over ``tensor_parallel_size`` devices, LoRA slots with ``lora_config``.
+    ``weights`` (``model``'s, built by an earlier call: ``runner.model``) are shared instead of drawn again."""
     parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
     mesh = make_mesh(parallel)
     max_batch = max(batches)
@@ -256,9 +269,10 @@ def build_runner(
             token_buckets=sorted(set(batches)), request_buckets=sorted(set(batches)), compiler_options=compiler_options
         ),
         parallel_config=parallel,
+        lora_config=lora_config,
     )
     runner = ModelRunner(config, mesh)
-    runner.load_model(init_random_model(model, dtype="bfloat16", seed=0, mesh=mesh))
+    runner.load_model(weights if weights is not None else init_random_model(model, dtype="bfloat16", seed=0, mesh=mesh))
     print(f"weights loaded: {json.dumps(device_memory())}", flush=True)
     runner.initialize_kv_cache()
     print(f"caches allocated: {json.dumps(device_memory())}", flush=True)
@@ -273,10 +287,11 @@ def steps_per_round(runner: ModelRunner) -> int:
 
 
 def add_decoding_requests(
-    runner: ModelRunner, batch: int, context: int, steps: int, rng, tag: str
+    runner: ModelRunner, batch: int, context: int, steps: int, rng, tag: str, adapters: Sequence[LoRARequest] = ()
 ) -> tuple[list[str], AsyncModelRunnerOutput]:
     """Give the runner ``batch`` requests at ``context`` tokens, with blocks for ``steps`` more rounds,
-    and dispatch their first step; returns their ids and that step's pending output.
+    and dispatch their first step; returns their ids and that step's pending output. Request ``i``
+    runs with ``adapters[i % len(adapters)]`` when there are adapters.
 
     As after a prefix-cache hit, all but the last prompt token are in the cache.
     """
@@ -290,6 +305,7 @@ def add_decoding_requests(
             SamplingParams(temperature=0.0),
             (pool[i * blocks_per_req : (i + 1) * blocks_per_req].tolist(),),
             context - 1,
+            lora_request=adapters[i % len(adapters)] if adapters else None,
         )
         for i, req_id in enumerate(ids)
     ]
@@ -318,8 +334,17 @@ def finish_decoding_requests(runner: ModelRunner, ids: list[str]) -> None:
     runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids=set(ids)))
 
 
-def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, pipelined: bool) -> list[float]:
-    """Seconds per decode step for ``batch`` requests at ``context`` tokens each, over ``steps`` rounds.
+def time_decode(
+    runner: ModelRunner,
+    batch: int,
+    context: int,
+    steps: int,
+    rng,
+    pipelined: bool,
+    adapters: Sequence[LoRARequest] = (),
+) -> list[float]:
+    """Seconds per decode step for ``batch`` requests at ``context`` tokens each (spread over
+    ``adapters``, if any), over ``steps`` rounds.
 
     One round at a time (``pipelined`` False): dispatch, then wait for the tokens on
     the host. Pipelined, as the engine runs with async scheduling: round k+1 is
@@ -327,7 +352,7 @@ def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, 
     between consecutive outputs, over its steps.
     """
     round_steps = steps_per_round(runner)
-    ids, in_flight = add_decoding_requests(runner, batch, context, steps, rng, f"p{int(pipelined)}")
+    ids, in_flight = add_decoding_requests(runner, batch, context, steps, rng, f"p{int(pipelined)}", adapters)
     times = []
     dispatched = in_flight
     last = time.perf_counter()
@@ -350,3 +375,10 @@ def time_decode(runner: ModelRunner, batch: int, context: int, steps: int, rng, 
 def median_step(times: list[float], warmup: int = 3) -> float:
     """The median of ``times`` after the first ``warmup`` (all of them when there are no more)."""
     return statistics.median(times[warmup:] or times)
+
+
+def random_adapters(config: TransformerConfig, count: int, rank: int, directory: str | Path) -> list[LoRARequest]:
+    """``count`` random rank-``rank`` adapters on all seven projections of a ``config`` model, in PEFT's
+    format under ``directory``, as the requests that name them."""
+    paths = [save_random_lora_adapter(Path(directory) / f"adapter{i}", config, rank=rank, seed=i) for i in range(count)]
+    return [LoRARequest(f"adapter{i}", i + 1, str(path)) for i, path in enumerate(paths)]

@@ -39,6 +39,10 @@ COMMANDS = {
         "4",
         "--floor-elements",
         "65536",
+        "--loras",
+        "2",
+        "--lora-rank",
+        "4",
         "--out",
         "{out}",
     ],
@@ -179,6 +183,10 @@ def test_decode_step_times_each_case_against_its_floor(runs):
     assert 0 < row["roofline_floor_ms"] and row["roofline_ratio"] == pytest.approx(
         row["step_ms"] / row["roofline_floor_ms"]
     )
+    # With --loras, the same case on a runner serving two adapters, against the plain runner's step.
+    (lora_row,) = result["lora_rows"]
+    assert (lora_row["loras"], lora_row["lora_rank"]) == (2, 4) and lora_row["step_ms"] > 0
+    assert lora_row["lora_over_base"] == pytest.approx(lora_row["step_ms"] / row["step_ms"])
 
 
 def test_attention_step_times_the_reference_against_the_floors(runs):
