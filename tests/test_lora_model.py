@@ -71,11 +71,12 @@ def peft_logits(base_dir, adapter_paths: dict[str, str], prompts: list[list[int]
     return out
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoints(tmp_path_factory, request):
+    """A tiny base model (Llama, or Qwen2 with its q/k/v biases) and the adapters of ``ADAPTERS`` on it."""
     CompileCounter.install()
-    root = tmp_path_factory.mktemp("lora")
-    save_tiny_hf_model("llama", root / "base")
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    save_tiny_hf_model(request.param, root / "base")
     return root / "base", save_adapters(root / "base", root)
 
 
