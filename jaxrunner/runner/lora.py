@@ -102,7 +102,6 @@ class LoRASlots:
         self.adapters = AdapterCache(config.max_cpu_loras, arch, config.max_lora_rank)
         self._load_program = load_program
         self._spans = spans
-        self._slot_of: dict[int, int] = {}  # lora_int_id -> the slot holding its weights
         self._held: list[LoRARequest | None] = [None] * self.max_loras  # slot -> the adapter it holds
         self._request_slot: dict[str, int] = {}  # running request -> its adapter's slot
         self._users = [0] * self.max_loras  # slot -> running requests using it
@@ -120,14 +119,14 @@ class LoRASlots:
                 f"Request {new_req.req_id!r} has a lora_request of type {type(lora_request).__name__}; "
                 "pass a jaxrunner.lora.LoRARequest."
             )
-        slot = self._slot_of.get(lora_request.lora_int_id)
+        slot = self.loaded.get(lora_request.lora_int_id)
         return self._load_adapter(new_req.req_id, lora_request) if slot is None else slot
 
     def add_request(self, new_req: NewRequestData, slot: int) -> None:
         """The request (in request slot ``slot``) uses its adapter's slot until it leaves the runner."""
         if new_req.lora_request is None:
             return
-        lora_slot = self._slot_of[new_req.lora_request.lora_int_id]
+        lora_slot = self.loaded[new_req.lora_request.lora_int_id]
         self._unused.pop(lora_slot, None)
         self._users[lora_slot] += 1
         self._request_slot[new_req.req_id] = lora_slot
@@ -149,7 +148,7 @@ class LoRASlots:
     @property
     def loaded(self) -> dict[int, int]:
         """``lora_int_id`` -> slot of every adapter a slot holds."""
-        return dict(self._slot_of)
+        return {held.lora_int_id: slot for slot, held in enumerate(self._held) if held is not None}
 
     def _load_adapter(self, req_id: str, lora_request: LoRARequest) -> int:
         """Load the adapter into the least recently used unused slot; the slot."""
@@ -167,9 +166,5 @@ class LoRASlots:
             a, b = adapter_arrays(adapter.weights, like=self.weights)
             with self._spans("program_call"):
                 self.weights = self._load_program()(self.weights, np.int32(slot), a, b)
-        evicted = self._held[slot]
-        if evicted is not None:
-            del self._slot_of[evicted.lora_int_id]
-        self._held[slot] = lora_request
-        self._slot_of[lora_request.lora_int_id] = slot
+        self._held[slot] = lora_request  # evicting the adapter it held
         return slot
