@@ -37,6 +37,7 @@ step pays. ``--shape tiny`` runs on a CPU in seconds (the test suite's check).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -231,7 +232,8 @@ def main() -> None:
     facts = device_facts()
     floors = measure_floors(args.floor_elements)
     start = time.perf_counter()
-    runner = build_runner(
+    runner_for = functools.partial(
+        build_runner,
         SHAPES[args.shape],
         args.batches,
         max(args.contexts),
@@ -240,6 +242,7 @@ def main() -> None:
         args.compiler_options,
         args.tensor_parallel_size,
     )
+    runner = runner_for()
     load_s = time.perf_counter() - start
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(runner.params))
     matmul = matmul_weights(runner)
@@ -267,17 +270,7 @@ def main() -> None:
     if args.loras:
         weights = runner.model
         del runner  # its KV cache and programs; the LoRA runner shares the weights
-        runner = build_runner(
-            SHAPES[args.shape],
-            args.batches,
-            max(args.contexts),
-            args.steps,
-            args.scheduler_steps,
-            args.compiler_options,
-            args.tensor_parallel_size,
-            LoRAConfig(max_loras=args.loras, max_lora_rank=args.lora_rank),
-            weights,
-        )
+        runner = runner_for(LoRAConfig(max_loras=args.loras, max_lora_rank=args.lora_rank), weights)
         runner.capture_model()
         with tempfile.TemporaryDirectory() as adapter_dir:
             adapters = random_adapters(runner.model_arch, args.loras, args.lora_rank, adapter_dir)
