@@ -335,7 +335,7 @@ class Attention(nnx.Module):
     ) -> tuple[Float[Array, "num_tokens hidden_size"], KVCache]:
         t = x.shape[0]
         # [num_tokens, num_kv_heads, slots, head_dim]; query head h reads KV head h // group
-        q, k, v = (with_lora(y, lora, name, x) for y, name in zip(self.qkv_proj(x), ("q_proj", "k_proj", "v_proj")))
+        q, k, v = with_lora(self.qkv_proj(x), lora, "qkv_proj", x)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -355,7 +355,8 @@ class Attention(nnx.Module):
             sliding_window=self.sliding_window,
         )
         out = out.reshape(t, self.num_heads * self.head_dim)
-        return with_lora(self.o_proj(out), lora, "o_proj", out), kv_cache
+        (out,) = with_lora([self.o_proj(out)], lora, "o_proj", out)
+        return out, kv_cache
 
     def kv_scales(
         self,
@@ -408,11 +409,10 @@ class MLP(nnx.Module):
     def __call__(
         self, x: Float[Array, "num_tokens hidden_size"], lora: LoRALayer | None = None
     ) -> Float[Array, "num_tokens hidden_size"]:
-        gate, up = (
-            with_lora(part[:, 0], lora, name, x) for part, name in zip(self.gate_up_proj(x), ("gate_proj", "up_proj"))
-        )
-        hidden = jax.nn.silu(gate) * up
-        return with_lora(self.down_proj(hidden), lora, "down_proj", hidden)
+        gate, up = with_lora(self.gate_up_proj(x), lora, "gate_up_proj", x)
+        hidden = jax.nn.silu(gate[:, 0]) * up[:, 0]
+        (out,) = with_lora([self.down_proj(hidden)], lora, "down_proj", hidden)
+        return out
 
 
 class DecoderLayer(nnx.Module):

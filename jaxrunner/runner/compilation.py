@@ -532,11 +532,7 @@ class CompilationManager:
         """``set_slot`` over the LoRA slots, a traced slot and one adapter's float32 arrays (``adapter_arrays``)."""
         weights = self.inputs.lora_weights
         assert weights is not None, "set_lora_slot exists with LoRA only"
-        one_slot = lambda w: self._input(w.shape[:1] + w.shape[2:], jnp.float32)
+        a_shapes, b_shapes = weights.one_slot()
+        one_slot = lambda shapes: {name: self._input(shape, jnp.float32) for name, shape in shapes.items()}
         set_slot_jit = jax.jit(set_slot, out_shardings=self.inputs.replicated)
-        return set_slot_jit.lower(
-            weights,
-            self._input((), jnp.int32),
-            jax.tree.map(one_slot, weights.a),
-            jax.tree.map(one_slot, weights.b),
-        )
+        return set_slot_jit.lower(weights, self._input((), jnp.int32), one_slot(a_shapes), one_slot(b_shapes))
