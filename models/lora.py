@@ -35,22 +35,23 @@ LORA_GROUPS: dict[str, tuple[str, ...]] = {
 """The model's projections that carry LoRA, each with the HF Linears (modules) it merges, in order."""
 LORA_MODULES = tuple(module for modules in LORA_GROUPS.values() for module in modules)
 """The projections an adapter may target, by HF's names."""
-A_SLOT_AXIS = 3
-"""The slot axis of ``LoRAWeights.a``'s arrays, ``[num_layers, in_features, modules, max_loras, max_lora_rank]``."""
-B_SLOT_AXIS = 2
-"""The slot axis of ``LoRAWeights.b``'s arrays, ``[num_layers, modules, max_loras, max_lora_rank, out_features]``."""
+A_SLOT_AXIS = 2
+"""The slot axis of ``LoRAWeights.a``'s arrays, ``[in_features, modules, max_loras, max_lora_rank]``."""
+B_SLOT_AXIS = 1
+"""The slot axis of ``LoRAWeights.b``'s arrays, ``[modules, max_loras, max_lora_rank, out_features]``."""
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoRAWeights:
-    """Every slot's adapter weights, per merged projection (``LORA_GROUPS``' keys): ``a``
-    ``[num_layers, in_features, modules, max_loras, max_lora_rank]`` and ``b`` ``[num_layers, modules,
-    max_loras, max_lora_rank, out_features]``, whose ``out_features`` are every module's outputs one after
-    another and each module's rows are zero outside its own columns."""
+    """Every slot's adapter weights, per merged projection (``LORA_GROUPS``' keys) and layer: ``a``
+    ``[in_features, modules, max_loras, max_lora_rank]`` and ``b`` ``[modules, max_loras, max_lora_rank,
+    out_features]``, whose ``out_features`` are every module's outputs one after another and each module's
+    rows are zero outside its own columns. One array per layer, so that a layer's matmuls read it whole
+    (a slice of a stack of layers would be copied out first)."""
 
-    a: dict[str, Float[Array, "num_layers in_features modules max_loras max_lora_rank"]]
-    b: dict[str, Float[Array, "num_layers modules max_loras max_lora_rank out_features"]]
+    a: dict[str, list[Float[Array, "in_features modules max_loras max_lora_rank"]]]
+    b: dict[str, list[Float[Array, "modules max_loras max_lora_rank out_features"]]]
     widths: tuple[tuple[str, int], ...] = dataclasses.field(metadata=dict(static=True))
     """Each module's ``out_features``, by name: where its columns lie in its projection's ``b``."""
 
@@ -69,21 +70,22 @@ class LoRAWeights:
         a, b = {}, {}
         for group, modules in _groups(shapes).items():
             in_features, outputs = shapes[modules[0]][0], sum(shapes[m][1] for m in modules)
-            a[group] = jnp.zeros((num_layers, in_features, len(modules), max_loras, max_lora_rank), dtype)
-            b[group] = jnp.zeros((num_layers, len(modules), max_loras, max_lora_rank, outputs), dtype)
+            a_shape = (in_features, len(modules), max_loras, max_lora_rank)
+            a[group] = [jnp.zeros(a_shape, dtype) for _ in range(num_layers)]
+            b[group] = [jnp.zeros((len(modules), max_loras, max_lora_rank, outputs), dtype) for _ in range(num_layers)]
         widths = tuple((m, shapes[m][1]) for modules in _groups(shapes).values() for m in modules)
         return cls(a=a, b=b, widths=widths)
 
     @property
     def max_loras(self) -> int:
-        return next(iter(self.a.values())).shape[A_SLOT_AXIS]
+        return next(iter(self.a.values()))[0].shape[A_SLOT_AXIS]
 
     def one_slot(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-        """The shapes of one slot's ``a`` and ``b`` arrays (what ``adapter_arrays`` makes)."""
-        drop = lambda shape, axis: shape[:axis] + shape[axis + 1 :]
+        """The shapes of one slot's ``a`` and ``b`` arrays of every layer (what ``adapter_arrays`` makes)."""
+        drop = lambda layers, axis: (len(layers), *layers[0].shape[:axis], *layers[0].shape[axis + 1 :])
         return (
-            {g: drop(w.shape, A_SLOT_AXIS) for g, w in self.a.items()},
-            {g: drop(w.shape, B_SLOT_AXIS) for g, w in self.b.items()},
+            {g: drop(w, A_SLOT_AXIS) for g, w in self.a.items()},
+            {g: drop(w, B_SLOT_AXIS) for g, w in self.b.items()},
         )
 
 
@@ -131,8 +133,8 @@ def set_slot(
         return jax.lax.dynamic_update_index_in_dim(stacked, one.astype(stacked.dtype), slot, axis=axis)
 
     return LoRAWeights(
-        a={g: put(weights.a[g], a[g], A_SLOT_AXIS) for g in weights.a},
-        b={g: put(weights.b[g], b[g], B_SLOT_AXIS) for g in weights.b},
+        a={g: [put(w, a[g][i], A_SLOT_AXIS) for i, w in enumerate(layers)] for g, layers in weights.a.items()},
+        b={g: [put(w, b[g][i], B_SLOT_AXIS) for i, w in enumerate(layers)] for g, layers in weights.b.items()},
         widths=weights.widths,
     )
 
