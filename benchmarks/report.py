@@ -3,7 +3,7 @@
 ``results/latest/`` holds the newest recorded run of each measurement and
 ``sources.json``, which says for each file what it measures (``decode:BxC``,
 ``attention``, ``attention_fp8``, ``prefill``, ``throughput``, ``host_share``,
-``bound:bf16``, ``bound:fp8``, ...), where, when,
+``bound:bf16``, ``bound:fp8``, ``lora``, ...), where, when,
 on which commit and with which command. For each figure the table takes the
 last file in ``sources.json`` that measures it, and gives the figure as a
 ratio to the floor or peer measured in the same run. To record a new run, copy
@@ -35,6 +35,7 @@ ATTENTION_FP8_DECODE_CASES = [(64, 4096), (256, 1024)]
 ATTENTION_PREFILL_CASES = [(1, 8192), (8, 2048)]
 THROUGHPUT_WORKLOAD = "256x1000/1000"
 BOUND_WORKLOAD = "1000x1000/1000"
+LORA_CASES = [(1, 1024), (64, 1024)]
 
 
 def load_sources(latest: Path = LATEST) -> list[dict]:
@@ -98,6 +99,17 @@ def attention_prefill_figure(source: dict, batch: int, context: int) -> tuple[st
         f"{row['ours_device_matmul_fraction']:.0%}",
         f"{row['ours_device_s'] * 1e6:.0f} us a call (kernel alone {row['ours_kernel_matmul_fraction']:.0%}); "
         f"{vs:.2f}x the dense FlashAttention-3 (attention_mgpu)",
+    )
+
+
+def lora_figure(source: dict, batch: int, context: int) -> tuple[str, str]:
+    """The decode step with requests spread over LoRA adapters, over the plain runner's step in the same run."""
+    row = next(r for r in source["data"]["lora_rows"] if (r["batch"], r["context"]) == (batch, context))
+    plain = next(r for r in source["data"]["rows"] if (r["batch"], r["context"]) == (batch, context))
+    return (
+        f"{row['lora_over_base']:.2f}x",
+        f"{row['step_ms']:.2f} ms a step against {plain['step_ms']:.2f} ms, "
+        f"{row['loras']} adapters of rank {row['lora_rank']} on all seven projections",
     )
 
 
@@ -191,6 +203,14 @@ def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
                 f"attention kernel, prefill {batch} x {size(context)}: FLOP/s / matmul rate",
                 "attention",
                 lambda s, b=batch, c=context: attention_prefill_figure(s, b, c),
+            )
+        )
+    for batch, context in LORA_CASES:
+        wanted.append(
+            (
+                f"LoRA decode step / plain decode step, batch {batch} x {size(context)}",
+                "lora",
+                lambda s, b=batch, c=context: lora_figure(s, b, c),
             )
         )
     wanted += [
