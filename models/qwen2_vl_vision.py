@@ -1,4 +1,5 @@
-"""Qwen2-VL's vision transformer in Flax NNX: image and video patches in, the language model's embeddings out.
+"""Qwen2-VL's and Qwen2.5-VL's vision transformers in Flax NNX: image and video patches in, the language
+model's embeddings out.
 
 The processor (transformers' image processor, on the host) cuts an image into
 ``temporal_patch_size x patch_size x patch_size`` patches of every channel, flattened
@@ -9,7 +10,13 @@ matmul), runs ``depth`` pre-norm blocks of full attention within each frame (a
 frame's patches attend to each other only) with a 2-D rotary embedding (half the
 frequencies turn by the patch's row, half by its column), and merges each window
 of ``spatial_merge_size**2`` patches into one token of the language model's width.
-Parameter names follow HF's (``blocks[i].attn.qkv``, ``merger.mlp[0]``...).
+Qwen2.5-VL's tower differs in RMSNorms, a gated (SwiGLU) MLP, and attention within
+windows of ``window_size`` pixels in every block but ``fullatt_block_indexes``.
+HF permutes the patches so that each window is contiguous and permutes the merged
+tokens back; attention with a window mask on the patches in place gives the same
+tokens (every other step works token by token or on whole merge windows), so here
+nothing is permuted. Parameter names follow HF's (``blocks[i].attn.qkv``,
+``merger.mlp[0]``...).
 """
 
 from __future__ import annotations
@@ -43,6 +50,14 @@ class VisionConfig:
     spatial_merge_size: int = 2
     rope_theta: float = 10000.0
     hidden_act: str = "quick_gelu"
+    intermediate_size: int | None = None
+    """The width of a gated (SwiGLU) MLP, as Qwen2.5-VL's; None: Qwen2-VL's ``fc1``/``fc2`` MLP of
+    ``embed_dim x mlp_ratio``."""
+    rms_norm: bool = False
+    """RMSNorms (Qwen2.5-VL) instead of LayerNorms."""
+    window_size: int | None = None
+    """Attention within windows of this many pixels a side (Qwen2.5-VL), except in ``fullatt_block_indexes``."""
+    fullatt_block_indexes: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.hidden_act not in _ACTIVATIONS:
@@ -60,6 +75,24 @@ class VisionConfig:
     @classmethod
     def from_hf(cls, hf_vision_config: Any) -> VisionConfig:
         c = hf_vision_config
+        if c.model_type == "qwen2_5_vl_vision":
+            return cls(
+                depth=c.depth,
+                embed_dim=c.hidden_size,
+                num_heads=c.num_heads,
+                mlp_ratio=0.0,
+                out_hidden_size=c.out_hidden_size,
+                in_channels=c.in_channels,
+                patch_size=c.patch_size,
+                temporal_patch_size=c.temporal_patch_size,
+                spatial_merge_size=c.spatial_merge_size,
+                rope_theta=c.rope_parameters["rope_theta"],
+                hidden_act=c.hidden_act,
+                intermediate_size=c.intermediate_size,
+                rms_norm=True,
+                window_size=c.window_size,
+                fullatt_block_indexes=tuple(c.fullatt_block_indexes),
+            )
         return cls(
             depth=c.depth,
             embed_dim=c.embed_dim,
@@ -78,6 +111,7 @@ class VisionConfig:
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
 }
 
 
@@ -97,6 +131,37 @@ def frame_ids(grids: Sequence[Sequence[int]]) -> Int[np.ndarray, " num_patches"]
     """Each patch's frame, numbered across all the images and videos: patches attend within a frame."""
     sizes = [h * w for t, h, w in grids for _ in range(t)]
     return np.repeat(np.arange(len(sizes)), sizes)
+
+
+def window_ids(grids: Sequence[Sequence[int]], config: VisionConfig) -> Int[np.ndarray, " num_patches"]:
+    """Each patch's attention window (Qwen2.5-VL), numbered across all the frames: squares of
+    ``window_size`` pixels, counted in merge windows from each frame's top left, in the processor's
+    patch order. Without windows, each patch's frame."""
+    if not config.window_size:
+        return frame_ids(grids)
+    m = config.spatial_merge_size
+    side = config.window_size // m // config.patch_size  # merge windows a side
+    ids, first = [], 0
+    for t, h, w in grids:
+        row, col = np.meshgrid(np.arange(h // m) // side, np.arange(w // m) // side, indexing="ij")
+        per_frame = -(-(w // m) // side) * -(-(h // m) // side)
+        window = (row * -(-(w // m) // side) + col).reshape(-1)  # one a merge window, in patch order
+        for frame in range(t):
+            ids.append(np.repeat(window + first + frame * per_frame, m * m))
+        first += t * per_frame
+    return np.concatenate(ids) if ids else np.zeros((0,), np.int64)
+
+
+class RMSNorm(nnx.Module):
+    """HF's ``Qwen2RMSNorm`` (``weight``), normalised in float32."""
+
+    def __init__(self, dim: int, *, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        x32 = x.astype(jnp.float32)
+        y = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + LAYER_NORM_EPS)).astype(x.dtype)
+        return self.weight[...].astype(x.dtype) * y
 
 
 class LayerNorm(nnx.Module):
@@ -153,18 +218,20 @@ class VisionAttention(nnx.Module):
         x: Float[Array, "num_patches embed_dim"],
         cos: Float[Array, "num_patches head_dim"],
         sin: Float[Array, "num_patches head_dim"],
-        same_frame: Bool[Array, "num_patches num_patches"],
+        visible: Bool[Array, "num_patches num_patches"],
     ) -> Float[Array, "num_patches embed_dim"]:
         n = x.shape[0]
         q, k, v = jnp.moveaxis(self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim), 1, 0)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * self.head_dim**-0.5
-        weights = jax.nn.softmax(jnp.where(same_frame[None], scores, -jnp.inf), axis=-1)
+        weights = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
         out = jnp.einsum("hqk,khd->qhd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return self.proj(out.astype(x.dtype).reshape(n, -1))
 
 
 class VisionMLP(nnx.Module):
+    """Qwen2-VL's ``fc2(act(fc1(x)))``."""
+
     def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         hidden = int(config.embed_dim * config.mlp_ratio)
         self.fc1 = _linear(config.embed_dim, hidden, use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -175,17 +242,35 @@ class VisionMLP(nnx.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class GatedVisionMLP(nnx.Module):
+    """Qwen2.5-VL's ``down(act(gate(x)) * up(x))``, with biases."""
+
+    def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        dim, hidden = config.embed_dim, config.intermediate_size or 0
+        linear = lambda i, o: _linear(i, o, use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj, self.up_proj, self.down_proj = linear(dim, hidden), linear(dim, hidden), linear(hidden, dim)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def __call__(self, x: Float[Array, "num_patches embed_dim"]) -> Float[Array, "num_patches embed_dim"]:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _norm(config: VisionConfig, param_dtype) -> RMSNorm | LayerNorm:
+    return (RMSNorm if config.rms_norm else LayerNorm)(config.embed_dim, param_dtype=param_dtype)
+
+
 class VisionBlock(nnx.Module):
     """Pre-norm block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
 
     def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.norm1 = LayerNorm(config.embed_dim, param_dtype=param_dtype)
+        self.norm1 = _norm(config, param_dtype)
         self.attn = VisionAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.norm2 = LayerNorm(config.embed_dim, param_dtype=param_dtype)
-        self.mlp = VisionMLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.norm2 = _norm(config, param_dtype)
+        mlp = GatedVisionMLP if config.intermediate_size else VisionMLP
+        self.mlp = mlp(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, same_frame):
-        x = x + self.attn(self.norm1(x), cos, sin, same_frame)
+    def __call__(self, x, cos, sin, visible):
+        x = x + self.attn(self.norm1(x), cos, sin, visible)
         return x + self.mlp(self.norm2(x))
 
 
@@ -201,7 +286,7 @@ class PatchMerger(nnx.Module):
 
     def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         merged = config.embed_dim * config.spatial_merge_size**2
-        self.ln_q = LayerNorm(config.embed_dim, param_dtype=param_dtype)
+        self.ln_q = _norm(config, param_dtype)
         linear = lambda i, o: _linear(i, o, use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mlp = nnx.List([linear(merged, merged), GELU(), linear(merged, config.out_hidden_size)])
         self.merged = merged
@@ -242,12 +327,15 @@ class VisionTransformer(nnx.Module):
         patches: Float[Array, "num_patches patch_features"],
         positions: Int[Array, "num_patches 2"],
         frames: Int[Array, " num_patches"],
+        windows: Int[Array, " num_patches"],
     ) -> Float[Array, "num_merged out_hidden_size"]:
-        """The merged tokens of the packed patches, given each patch's (row, column) (``patch_positions``)
-        and frame (``frame_ids``)."""
+        """The merged tokens of the packed patches, given each patch's (row, column) (``patch_positions``),
+        frame (``frame_ids``) and attention window (``window_ids``)."""
         cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         same_frame = frames[:, None] == frames[None, :]
+        same_window = windows[:, None] == windows[None, :]
+        full = set(self.config.fullatt_block_indexes) if self.config.window_size else set(range(self.config.depth))
         x = self.patch_embed(patches)
-        for block in self.blocks:
-            x = block(x, cos, sin, same_frame)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, same_frame if i in full else same_window)
         return self.merger(x)
