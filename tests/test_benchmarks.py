@@ -261,7 +261,8 @@ def test_table_has_every_figure_from_a_recorded_run():
     rows = report.figures(report.load_sources())
     measured = {label for label, ratio, _, source in rows if source is not None}
     cases = report.DECODE_CASES + report.ATTENTION_DECODE_CASES + report.ATTENTION_FP8_DECODE_CASES
-    assert len(rows) == len(cases) + len(report.ATTENTION_PREFILL_CASES) + 5  # + prefill, 3 benches, host share
+    cases += report.ATTENTION_PREFILL_CASES + report.LORA_CASES
+    assert len(rows) == len(cases) + 5  # + prefill, 3 benches, host share
     # 256 x 4k fits no GPU in bf16; the 1000x1000/1000 runs have not completed on a GPU yet.
     unmeasured = {
         "decode step / bandwidth floor, batch 256 x 4k",
