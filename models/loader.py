@@ -317,7 +317,10 @@ def _to_param(
     Each device's shard is read from the memory map and cast on the host, alone.
     """
     is_kernel = path[-1] == "kernel"
-    unpadded = tuple(config.vocab_size if axis == "vocab" else n for axis, n in zip(logical_axes(path), shape))
+    if is_kernel and array.ndim > 2:  # a convolution whose stride is its kernel (a patch embedding): a matmul
+        array = array.reshape(array.shape[0], -1)
+    axes = logical_axes(path) or (None,) * len(shape)
+    unpadded = tuple(config.vocab_size if axis == "vocab" else n for axis, n in zip(axes, shape))
     hf_shape = unpadded[::-1] if is_kernel else unpadded
     if array.shape != hf_shape:
         raise CheckpointError(f"{file}: tensor {hf_name(path)!r} has shape {array.shape}, the model expects {hf_shape}")

@@ -36,8 +36,15 @@ PARAM_LOGICAL_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
 """Logical axes of every parameter, by (module name, leaf name)."""
 
 
+VISION_TOWER = "visual"
+"""A vision-language model's vision tower: small beside the decoder, every device holds it whole."""
+
+
 def logical_axes(path: tuple) -> tuple[str | None, ...]:
-    """The logical axes of the parameter at ``path`` (an nnx path such as ``(..., "qkv_proj", "kernel")``)."""
+    """The logical axes of the parameter at ``path`` (an nnx path such as ``(..., "qkv_proj", "kernel")``);
+    none (replicated) for the vision tower's."""
+    if path[0] == VISION_TOWER:
+        return ()
     key = (str(path[-2]), str(path[-1]))
     if key not in PARAM_LOGICAL_AXES:
         raise ValueError(f"No sharding rule for parameter {'.'.join(map(str, path))}; add {key} to PARAM_LOGICAL_AXES.")

@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from jaxrunner.models.qwen2_vl import VisionLanguageLM
 from jaxrunner.models.transformer import CausalLM
 
 _ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -9,6 +10,8 @@ _ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
     "Qwen3ForCausalLM": CausalLM,
+    "Qwen2VLForConditionalGeneration": VisionLanguageLM,
+    "Qwen2_5_VLForConditionalGeneration": VisionLanguageLM,
 }
 
 

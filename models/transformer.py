@@ -32,6 +32,8 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrunner.models.lora import LoRABatch, LoRALayer, with_lora
+from jaxrunner.models.mrope import mrope_angles
+from jaxrunner.models.qwen2_vl_vision import VisionConfig
 from jaxrunner.models.sharded_attention import write_and_attend
 from jaxrunner.ops import AttentionBackend, AttentionMetadata
 from jaxrunner.ops.kv_write import is_fp8
@@ -44,6 +46,9 @@ KVCache = tuple[
 """One layer's ``(k_cache, v_cache)``."""
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+
+VISION_LANGUAGE_TYPES = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text"}
+"""HF ``model_type`` of each vision-language model read here, and that of its language model."""
 
 K_SCALE_CONSTANT = 200.0
 V_SCALE_CONSTANT = 100.0
@@ -99,6 +104,14 @@ class TransformerConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     hidden_act: str = "silu"
+    mrope_section: tuple[int, ...] | None = None
+    """M-RoPE (Qwen2-VL): the head's frequencies cut into (temporal, height, width) runs, each turned by
+    its own position row; positions are then ``[3, num_tokens]``. None: plain RoPE of one row."""
+    vision: VisionConfig | None = None
+    """The vision tower of a vision-language model (``models/qwen2_vl_vision.py``); None: text only."""
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    """The placeholder tokens whose embeddings the vision tower's outputs replace."""
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -132,12 +145,22 @@ class TransformerConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "TransformerConfig":
-        """Reads a transformers config of a Llama, Mistral, Qwen2 or Qwen3 model."""
+        """Reads a transformers config of a Llama, Mistral, Qwen2 or Qwen3 model, or of a Qwen2-VL or
+        Qwen2.5-VL model (its language model, M-RoPE and vision tower)."""
+        if getattr(hf_config, "model_type", None) in VISION_LANGUAGE_TYPES:
+            text = cls.from_hf(hf_config.text_config)
+            return dataclasses.replace(
+                text,
+                tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings)),
+                vision=VisionConfig.from_hf(hf_config.vision_config),
+                image_token_id=hf_config.image_token_id,
+                video_token_id=hf_config.video_token_id,
+            )
         model_type = getattr(hf_config, "model_type", None)
         rope_theta, rope_scaling = _rope_from_hf(hf_config)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        if model_type == "qwen2":  # Qwen2 always has q/k/v biases and no o_proj bias.
+        if model_type in ("qwen2", *VISION_LANGUAGE_TYPES.values()):  # q/k/v biases and no o_proj bias
             attention_bias, o_proj_bias = True, False
         else:
             attention_bias = o_proj_bias = bool(getattr(hf_config, "attention_bias", False))
@@ -168,6 +191,7 @@ class TransformerConfig:
             sliding_window=sliding_window,
             layer_types=layer_types,
             hidden_act=hf_config.hidden_act,
+            mrope_section=_mrope_section(hf_config),
         )
 
 
@@ -188,6 +212,12 @@ def _rope_from_hf(hf_config: Any) -> tuple[float, Llama3RopeScaling | None]:
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
     raise ValueError(f"rope_type {rope_type!r} is not supported (supported: 'default', 'llama3')")
+
+
+def _mrope_section(hf_config: Any) -> tuple[int, ...] | None:
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    section = params.get("mrope_section")
+    return None if section is None else tuple(int(n) for n in section)
 
 
 def _qwen_layer_types(hf_config: Any) -> tuple[str, ...]:
@@ -466,15 +496,19 @@ def run_layers(
     layers: Sequence[DecoderLayer],
     config: TransformerConfig,
     x: Float[Array, "num_tokens hidden_size"],
-    positions: Int[Array, " num_tokens"],
+    positions: Int[Array, " num_tokens"] | Int[Array, "3 num_tokens"],
     kv_caches: list[KVCache],
     metadata: AttentionMetadata,
     attention_backend: AttentionBackend | None = None,
     lora: LoRABatch | None = None,
 ) -> tuple[Float[Array, "num_tokens hidden_size"], list[KVCache]]:
-    """The decoder layers over ``x`` with RoPE at ``positions`` (and each token's LoRA adapter, with
-    ``lora``), and their updated caches."""
-    angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(config)[None, :]
+    """The decoder layers over ``x`` with RoPE at ``positions`` (M-RoPE's three rows with
+    ``config.mrope_section``), and each token's LoRA adapter with ``lora``; and their updated caches."""
+    inv_freq = rope_inv_freq(config)
+    if config.mrope_section:
+        angles = mrope_angles(positions, jnp.asarray(inv_freq), config.mrope_section)
+    else:
+        angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     new_caches = []
     for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
@@ -556,22 +590,25 @@ class CausalLM(nnx.Module):
     def __call__(
         self,
         input_ids: Int[Array, " num_tokens"],
-        positions: Int[Array, " num_tokens"],
+        positions: Int[Array, " num_tokens"] | Int[Array, "3 num_tokens"],
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
         attention_backend: AttentionBackend | None = None,
         lora: LoRABatch | None = None,
+        inputs_embeds: Float[Array, "num_tokens hidden_size"] | None = None,
     ) -> tuple[Float[Array, "num_tokens hidden_size"], list[KVCache]]:
         """Hidden states after the final norm, and every layer's updated KV cache.
 
         ``attention_backend`` picks the attention ops' implementation (None: that of
         JAX's default devices); a runner passes the one it resolved for its mesh.
         ``lora`` adds each token's LoRA adapter to every projection it targets.
+        ``inputs_embeds`` (vLLM's) replaces the token embeddings of ``input_ids``, as a
+        vision-language model gives them with its images' embeddings in place.
         """
         x, new_caches = run_layers(
             self.model.layers,
             self.config,
-            self.model.embed_tokens(input_ids),
+            self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds,
             positions,
             kv_caches,
             metadata,

@@ -176,6 +176,12 @@ class ModelRunner:
                 if self.model_config.model is None:
                     raise ValueError("ModelConfig.model names no checkpoint directory, and no model was given.")
                 model = self._load_named(self.model_config.model)
+            if model.config.vision is not None:
+                raise NotImplementedError(
+                    "Serving a vision-language model (Qwen2-VL, Qwen2.5-VL) is not supported yet: the runner has no "
+                    "encoder program or M-RoPE positions. The model itself loads and runs with "
+                    "jaxrunner.models.load_model(path), as its tests do."
+                )
             self.model = model
             self.model_arch: TransformerConfig = model.config
             self.vocab_size = self.model_arch.vocab_size
