@@ -33,7 +33,7 @@ NUM_TOKENS = 48
 def save_tiny_vl(family: str, path) -> Any:
     text: dict[str, Any] = dict(
         vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 20.0, "mrope_section": [2, 3, 3]},
+        num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 4.0, "mrope_section": [2, 3, 3]},
     )  # fmt: skip  # a small theta: every frequency turns enough for each position row to show in the logits
     shape: dict[str, Any] = dict(num_heads=2, patch_size=4, temporal_patch_size=2, spatial_merge_size=MERGE)
     tokens: dict[str, Any] = dict(
