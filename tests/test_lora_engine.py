@@ -275,6 +275,32 @@ def test_greedy_tokens_of_a_batch_mixing_adapters_match_peft(checkpoints, cache_
     assert _all_blocks_free(llm)
 
 
+def test_multi_step_rounds_keep_each_request_on_its_adapter(checkpoints, cache_dir, monkeypatch):
+    """Rounds of several decode steps in one program (``num_scheduler_steps``) over a batch mixing two
+    adapters and the base model give PEFT's greedy tokens: each round's steps keep every token on its
+    request's adapter."""
+    base_dir, adapters = checkpoints
+    llm = tiny_llm(cache_dir, base_dir, enable_lora=True, max_loras=2, max_lora_rank=16, num_scheduler_steps=4)
+    runner = llm.llm_engine.runner
+    steps_per_round = []
+    execute = runner.execute_model
+
+    def record(scheduler_output):
+        if scheduler_output.total_num_scheduled_tokens:
+            steps_per_round.append(scheduler_output.num_decode_steps)
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(runner, "execute_model", record)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 250, n).tolist() for n in (9, 14, 6, 11)]
+    loras = [adapters["all-r8"], None, adapters["random-r4"], adapters["all-r8"]]
+    params = SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert max(steps_per_round) == 4, steps_per_round
+    assert [o.outputs[0].token_ids for o in outputs] == peft_greedy(base_dir, prompts, loras, 13)
+    assert _all_blocks_free(llm)
+
+
 # ------------------------------------------------------------------------ CLI
 
 
