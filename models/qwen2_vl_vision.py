@@ -31,7 +31,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-LAYER_NORM_EPS = 1e-6
+from jaxrunner.models.layers import RMSNorm, apply_rope
+
+NORM_EPS = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,30 +77,9 @@ class VisionConfig:
     @classmethod
     def from_hf(cls, hf_vision_config: Any) -> VisionConfig:
         c = hf_vision_config
-        if c.model_type == "qwen2_5_vl_vision":
-            return cls(
-                depth=c.depth,
-                embed_dim=c.hidden_size,
-                num_heads=c.num_heads,
-                mlp_ratio=0.0,
-                out_hidden_size=c.out_hidden_size,
-                in_channels=c.in_channels,
-                patch_size=c.patch_size,
-                temporal_patch_size=c.temporal_patch_size,
-                spatial_merge_size=c.spatial_merge_size,
-                rope_theta=c.rope_parameters["rope_theta"],
-                hidden_act=c.hidden_act,
-                intermediate_size=c.intermediate_size,
-                rms_norm=True,
-                window_size=c.window_size,
-                fullatt_block_indexes=tuple(c.fullatt_block_indexes),
-            )
-        return cls(
+        shared = dict(
             depth=c.depth,
-            embed_dim=c.embed_dim,
             num_heads=c.num_heads,
-            mlp_ratio=c.mlp_ratio,
-            out_hidden_size=c.hidden_size,
             in_channels=c.in_channels,
             patch_size=c.patch_size,
             temporal_patch_size=c.temporal_patch_size,
@@ -106,6 +87,18 @@ class VisionConfig:
             rope_theta=c.rope_parameters["rope_theta"],
             hidden_act=c.hidden_act,
         )
+        if c.model_type == "qwen2_5_vl_vision":  # its hidden_size is the tower's width, out_hidden_size the LM's
+            return cls(
+                **shared,
+                embed_dim=c.hidden_size,
+                mlp_ratio=0.0,
+                out_hidden_size=c.out_hidden_size,
+                intermediate_size=c.intermediate_size,
+                rms_norm=True,
+                window_size=c.window_size,
+                fullatt_block_indexes=tuple(c.fullatt_block_indexes),
+            )
+        return cls(**shared, embed_dim=c.embed_dim, mlp_ratio=c.mlp_ratio, out_hidden_size=c.hidden_size)
 
 
 _ACTIVATIONS = {
@@ -152,18 +145,6 @@ def window_ids(grids: Sequence[Sequence[int]], config: VisionConfig) -> Int[np.n
     return np.concatenate(ids) if ids else np.zeros((0,), np.int64)
 
 
-class RMSNorm(nnx.Module):
-    """HF's ``Qwen2RMSNorm`` (``weight``), normalised in float32."""
-
-    def __init__(self, dim: int, *, param_dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-
-    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        x32 = x.astype(jnp.float32)
-        y = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + LAYER_NORM_EPS)).astype(x.dtype)
-        return self.weight[...].astype(x.dtype) * y
-
-
 class LayerNorm(nnx.Module):
     """HF's ``nn.LayerNorm`` (``weight``, ``bias``), computed in float32."""
 
@@ -175,7 +156,7 @@ class LayerNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + LAYER_NORM_EPS)
+        y = (x32 - mean) * jax.lax.rsqrt(var + NORM_EPS)
         return (y * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
 
 
@@ -185,23 +166,13 @@ def _linear(in_features: int, out_features: int, *, use_bias: bool, dtype, param
 
 def rotary_cos_sin(
     positions: Int[Array, "num_patches 2"], head_dim: int, theta: float
-) -> tuple[Float[Array, "num_patches head_dim"], Float[Array, "num_patches head_dim"]]:
-    """The 2-D rotary embedding: the first quarter of the frequencies by row, the second by column, twice
-    over (rotate-half layout)."""
+) -> tuple[Float[Array, "num_patches half_head_dim"], Float[Array, "num_patches half_head_dim"]]:
+    """The 2-D rotary embedding for ``apply_rope``: the first half of the frequencies turn by the patch's
+    row, the second half by its column."""
     quarter = head_dim // 4
     inv_freq = 1.0 / (theta ** (jnp.arange(0, 2 * quarter, 2, dtype=jnp.float32) / (2 * quarter)))
     angles = (positions[:, :, None].astype(jnp.float32) * inv_freq).reshape(positions.shape[0], -1)
-    angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
-
-
-def _rotate(
-    x: Float[Array, "n heads d"], cos: Float[Array, "n d"], sin: Float[Array, "n d"]
-) -> Float[Array, "n heads d"]:
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
 
 
 class VisionAttention(nnx.Module):
@@ -216,13 +187,13 @@ class VisionAttention(nnx.Module):
     def __call__(
         self,
         x: Float[Array, "num_patches embed_dim"],
-        cos: Float[Array, "num_patches head_dim"],
-        sin: Float[Array, "num_patches head_dim"],
+        cos: Float[Array, "num_patches half_head_dim"],
+        sin: Float[Array, "num_patches half_head_dim"],
         visible: Bool[Array, "num_patches num_patches"],
     ) -> Float[Array, "num_patches embed_dim"]:
         n = x.shape[0]
         q, k, v = jnp.moveaxis(self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim), 1, 0)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * self.head_dim**-0.5
         weights = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
         out = jnp.einsum("hqk,khd->qhd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
@@ -255,17 +226,19 @@ class GatedVisionMLP(nnx.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _norm(config: VisionConfig, param_dtype) -> RMSNorm | LayerNorm:
-    return (RMSNorm if config.rms_norm else LayerNorm)(config.embed_dim, param_dtype=param_dtype)
+def _norm(config: VisionConfig, dtype, param_dtype) -> RMSNorm | LayerNorm:
+    if config.rms_norm:
+        return RMSNorm(config.embed_dim, NORM_EPS, dtype=dtype, param_dtype=param_dtype)
+    return LayerNorm(config.embed_dim, param_dtype=param_dtype)
 
 
 class VisionBlock(nnx.Module):
     """Pre-norm block: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
 
     def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.norm1 = _norm(config, param_dtype)
+        self.norm1 = _norm(config, dtype, param_dtype)
         self.attn = VisionAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.norm2 = _norm(config, param_dtype)
+        self.norm2 = _norm(config, dtype, param_dtype)
         mlp = GatedVisionMLP if config.intermediate_size else VisionMLP
         self.mlp = mlp(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -286,7 +259,7 @@ class PatchMerger(nnx.Module):
 
     def __init__(self, config: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         merged = config.embed_dim * config.spatial_merge_size**2
-        self.ln_q = _norm(config, param_dtype)
+        self.ln_q = _norm(config, dtype, param_dtype)
         linear = lambda i, o: _linear(i, o, use_bias=True, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.mlp = nnx.List([linear(merged, merged), GELU(), linear(merged, config.out_hidden_size)])
         self.merged = merged
