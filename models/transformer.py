@@ -195,9 +195,14 @@ class TransformerConfig:
         )
 
 
+def _rope_params(hf_config: Any) -> dict:
+    """``rope_parameters`` (transformers 5), or the older ``rope_scaling``; empty where neither is set."""
+    return dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+
+
 def _rope_from_hf(hf_config: Any) -> tuple[float, Llama3RopeScaling | None]:
     """RoPE theta and scaling from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params = _rope_params(hf_config)
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
     rope_type = params.get("rope_type", params.get("type"))
     if params.get("partial_rotary_factor", 1.0) != 1.0:
@@ -215,8 +220,7 @@ def _rope_from_hf(hf_config: Any) -> tuple[float, Llama3RopeScaling | None]:
 
 
 def _mrope_section(hf_config: Any) -> tuple[int, ...] | None:
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    section = params.get("mrope_section")
+    section = _rope_params(hf_config).get("mrope_section")
     return None if section is None else tuple(int(n) for n in section)
 
 
