@@ -115,8 +115,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False
     num_scheduler_steps: int = 1
+    # Vision-language models (vLLM's names): encoder outputs a step may compute, and the encoder cache's
+    # size, both in embeddings (placeholder tokens). None: the larger of max_num_batched_tokens and
+    # max_model_len, so that any image that fits a prompt can be encoded.
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be positive; got {value}.")
         if self.num_scheduler_steps < 1:
             raise ValueError(f"SchedulerConfig.num_scheduler_steps must be at least 1; got {self.num_scheduler_steps}.")
         if self.max_num_seqs < 1:
@@ -125,6 +134,13 @@ class SchedulerConfig:
             raise ValueError(
                 f"SchedulerConfig.max_num_batched_tokens must be positive; got {self.max_num_batched_tokens}."
             )
+
+    def encoder_budget(self, max_model_len: int) -> tuple[int, int]:
+        """(Embeddings the encoder may compute in one step, embeddings the encoder cache holds): the configured
+        values, or by default the larger of ``max_num_batched_tokens`` and ``max_model_len``, so that any
+        image that fits a prompt fits both."""
+        default = max(self.max_num_batched_tokens, max_model_len)
+        return self.max_num_encoder_input_tokens or default, self.encoder_cache_size or default
 
     @property
     def decode_step_counts(self) -> tuple[int, ...]:
@@ -294,6 +310,27 @@ class CompilationConfig:
 
 
 @dataclasses.dataclass
+class MultiModalConfig:
+    """Multimodal inputs (vLLM's ``MultiModalConfig``): ``limit_per_prompt`` caps the items of each modality
+    one prompt may carry (``{"image": 4}``); a modality it does not name takes 999, as vLLM's V1."""
+
+    limit_per_prompt: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    DEFAULT_LIMIT = 999
+
+    def __post_init__(self) -> None:
+        for modality, limit in self.limit_per_prompt.items():
+            if modality not in ("image", "video"):
+                raise ValueError(f"limit_mm_per_prompt names {modality!r}; its modalities are 'image' and 'video'.")
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a count (0 or more); got {limit!r}.")
+
+    def limit(self, modality: str) -> int:
+        """The most items of ``modality`` one prompt may carry."""
+        return self.limit_per_prompt.get(modality, self.DEFAULT_LIMIT)
+
+
+@dataclasses.dataclass
 class RunnerConfig:
     """Everything the model runner needs, as vLLM's ``VllmConfig`` bundles it."""
 
@@ -306,6 +343,7 @@ class RunnerConfig:
     speculative_config: SpeculativeConfig | None = None
     lora_config: LoRAConfig | None = None
     """None: LoRA off, and a request with a ``lora_request`` is refused."""
+    multimodal_config: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
 
     def __post_init__(self) -> None:
         steps = self.scheduler_config.num_scheduler_steps

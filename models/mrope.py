@@ -12,6 +12,7 @@ width) runs. Positions follow transformers' ``get_rope_index`` (v5) exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -51,27 +52,54 @@ def prompt_positions(
     """
     grid_iters = {IMAGE: iter(image_grids), VIDEO: iter(video_grids)}
     interval_iter = iter(video_intervals)
-    rows, position = [], 0
+    spans, offset = [], 0
     for kind, run in itertools.groupby(token_types):
         length = len(list(run))
-        if kind == TEXT:
-            rows.append(np.broadcast_to(np.arange(length) + position, (3, length)))
-            position += length
-            continue
-        grid = next(grid_iters[kind], None)
-        if grid is None:
-            name, count = ("image", len(image_grids)) if kind == IMAGE else ("video", len(video_grids))
-            raise ValueError(f"the prompt has more {name} spans than the {count} {name} grids given")
-        interval = next(interval_iter, 1.0) if kind == VIDEO else 1.0
-        span = vision_positions(position, grid, spatial_merge_size, interval)
-        if span.shape[1] != length:
+        if kind != TEXT:
+            grid = next(grid_iters[kind], None)
+            if grid is None:
+                name, count = ("image", len(image_grids)) if kind == IMAGE else ("video", len(video_grids))
+                raise ValueError(f"the prompt has more {name} spans than the {count} {name} grids given")
+            interval = next(interval_iter, 1.0) if kind == VIDEO else 1.0
+            spans.append(VisionSpan(offset, length, tuple(int(n) for n in grid), interval))
+        offset += length
+    return span_positions(len(token_types), spans, spatial_merge_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionSpan:
+    """An image's or a video's placeholder tokens in a prompt: ``length`` from ``offset``, over ``grid_thw``
+    (patches before merging), a video's frames ``time_interval`` apart."""
+
+    offset: int
+    length: int
+    grid_thw: tuple[int, ...]
+    time_interval: float = 1.0
+
+
+def span_positions(
+    num_tokens: int, spans: Sequence[VisionSpan], spatial_merge_size: int
+) -> tuple[Int[np.ndarray, "3 num_tokens"], int]:
+    """The M-RoPE positions and ``delta`` of ``num_tokens`` prompt tokens, text but for ``spans`` (in order)."""
+    rows, position, offset = [], 0, 0
+    for span in [*spans, VisionSpan(num_tokens, 0, (0, 0, 0))]:
+        text = span.offset - offset
+        if text < 0:
+            raise ValueError(f"vision spans overlap or are out of order at token {span.offset}")
+        rows.append(np.broadcast_to(np.arange(text) + position, (3, text)))
+        position += text
+        if not span.length:
+            break
+        positions = vision_positions(position, span.grid_thw, spatial_merge_size, span.time_interval)
+        if positions.shape[1] != span.length:
             raise ValueError(
-                f"a span of {length} placeholder tokens does not match its grid {tuple(grid)}, which merges into "
-                f"{span.shape[1]} tokens (spatial_merge_size {spatial_merge_size})"
+                f"a span of {span.length} placeholder tokens does not match its grid {span.grid_thw}, which "
+                f"merges into {positions.shape[1]} tokens (spatial_merge_size {spatial_merge_size})"
             )
-        rows.append(span)
-        position += max(int(grid[1]), int(grid[2])) // spatial_merge_size
-    positions = np.concatenate(rows, axis=1) if rows else np.zeros((3, 0), np.int64)
+        rows.append(positions)
+        position += max(span.grid_thw[1], span.grid_thw[2]) // spatial_merge_size
+        offset = span.offset + span.length
+    positions = np.concatenate(rows, axis=1)
     delta = int(positions.max()) + 1 - positions.shape[1] if positions.size else 0
     return positions.astype(np.int64), delta
 

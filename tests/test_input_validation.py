@@ -91,7 +91,7 @@ def _step(*new_reqs: NewRequestData) -> SchedulerOutput:
     "fields, missing",
     [
         ({"lora_request": object()}, "has a lora_request, but LoRA is off"),
-        ({"mm_features": [object()]}, "multimodal encoder is not supported yet"),
+        ({"mm_features": [object()]}, "a text model with no encoder"),
         ({"block_ids": ([1], [2])}, "2 KV-cache groups"),
     ],
 )

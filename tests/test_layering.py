@@ -28,6 +28,7 @@ def _rank(module: str) -> int:
         "engine": ENGINE,
         "runner": RUNNER,
         "models": MODELS,
+        "multimodal": MODELS,  # images read and preprocessed for the models, beside them
         "sample": KERNELS,
         "ops": KERNELS,
     }.get(head, FRONT)  # cli, launch, __main__

@@ -1,6 +1,7 @@
 """Input processing: a prompt and its sampling parameters become the scheduler's ``Request``s.
 
-It tokenizes text prompts, refuses what could never run (a ``ValueError``
+It tokenizes text prompts, reads their images (expanding each image's placeholder
+to its tokens, ``jaxrunner.multimodal``), refuses what could never run (a ``ValueError``
 whose message the caller returns as the request's error output; a LoRA
 adapter that cannot be read or does not fit the model among them), resolves
 what the runner needs as token ids (stop ids with EOS, bad words), fans
@@ -20,6 +21,8 @@ from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.engine.structured_outputs import StructuredOutputManager
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.lora.request import LoRARequest
+from jaxrunner.multimodal.inputs import MultiModalFeatureSpec
+from jaxrunner.multimodal.processing import MultiModalProcessor
 from jaxrunner.runner.model_runner import ModelRunner
 
 
@@ -42,8 +45,10 @@ class InputProcessor:
         scheduler: Scheduler,
         tokenizer,
         structured_outputs: StructuredOutputManager | None,
+        mm_processor: MultiModalProcessor | None = None,
     ):
         self.runner = runner
+        self.mm_processor = mm_processor
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.structured_outputs = structured_outputs
@@ -66,6 +71,27 @@ class InputProcessor:
             )
         return prompt.token_ids
 
+    def process_multimodal(self, prompt: ParsedPrompt, token_ids: list[int]) -> tuple[list[int], list[MultiModalFeatureSpec]]:
+        """The token ids with the prompt's image placeholders expanded, and its images' features; ValueError
+        if the images cannot be read, are too many or too large, or the model takes none."""
+        if not prompt.multi_modal_data:
+            return token_ids, []
+        if self.mm_processor is None:
+            raise ValueError(
+                "The prompt has multi_modal_data, but this model takes no images: serve a vision-language model "
+                "(Qwen2-VL, Qwen2.5-VL), or send text only."
+            )
+        token_ids, features = self.mm_processor.process(token_ids, prompt.multi_modal_data)
+        most = getattr(self.runner, "max_image_embeds", None)
+        for i, feature in enumerate(features):
+            if most is not None and feature.num_embeds > most:
+                raise ValueError(
+                    f"Image {i} of the prompt takes {feature.num_embeds} tokens, more than one image may "
+                    f"({most}: the least of max_model_len, the encoder budget and the encoder cache); send a smaller "
+                    "image, or raise max_model_len or SchedulerConfig.encoder_cache_size."
+                )
+        return token_ids, features
+
     def discard(self, requests: list[Request]) -> None:
         """Forget requests made and never queued (their grammars)."""
         if self.structured_outputs is not None:
@@ -73,20 +99,25 @@ class InputProcessor:
                 self.structured_outputs.remove_request(request.request_id)
 
     def make_requests(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, lora_request: LoRARequest | None = None
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+        mm_features: list[MultiModalFeatureSpec] | None = None,
     ) -> list[Request]:
-        """The ``n`` requests of a prompt, with ``lora_request``'s adapter (None: the base model), their
-        grammars registered; ``ValueError`` if it cannot run."""
-        self._validate(token_ids, params)
+        """The ``n`` requests of a prompt, with ``lora_request``'s adapter (None: the base model) and its
+        images' ``mm_features``, their grammars registered; ``ValueError`` if it cannot run."""
+        self._validate(token_ids, params, mm_features or [])
         if lora_request is not None:
             self.lora_requests.check(lora_request)
         params = self._with_token_lists(params)
         self.runner.check_sampling_params(params)
-        requests = self._fan_out(request_id, token_ids, params, lora_request)
+        requests = self._fan_out(request_id, token_ids, params, lora_request, mm_features or [])
         self._add_grammars(requests, params)
         return requests
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, token_ids: list[int], params: SamplingParams, mm_features: list[MultiModalFeatureSpec]) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}.")
         params._validate()  # fields may have been changed after construction
@@ -94,7 +125,11 @@ class InputProcessor:
             raise ValueError("The prompt is empty; give at least one token.")
         max_model_len = self.runner.max_model_len
         if len(token_ids) > max_model_len:
-            raise ValueError(f"The prompt has {len(token_ids)} tokens, more than max_model_len ({max_model_len}).")
+            images = sum(f.num_embeds for f in mm_features)
+            of_images = f" ({images} of them its images' placeholders)" if images else ""
+            raise ValueError(
+                f"The prompt has {len(token_ids)} tokens{of_images}, more than max_model_len ({max_model_len})."
+            )
         scheduler_config = self.scheduler.config
         if not scheduler_config.enable_chunked_prefill and len(token_ids) > scheduler_config.max_num_batched_tokens:
             raise ValueError(
@@ -128,7 +163,12 @@ class InputProcessor:
         return dataclasses.replace(params, all_stop_token_ids=stop_ids, bad_words_token_ids=bad_words)
 
     def _fan_out(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, lora_request: LoRARequest | None
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None,
+        mm_features: list[MultiModalFeatureSpec],
     ) -> list[Request]:
         """One request per sequence; with ``n > 1`` child i is ``f"{i}_{request_id}"`` and samples with seed + i."""
         arrival = time.monotonic()
@@ -149,6 +189,7 @@ class InputProcessor:
                     arrival_time=arrival,
                     multi_step_ok=multi_step_ok,
                     lora_request=lora_request,
+                    mm_features=mm_features,
                 )
             )
         return requests

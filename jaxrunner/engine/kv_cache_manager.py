@@ -6,7 +6,8 @@ order. A FULL block is also registered under a hash chained with its parent's,
 so a later request whose prompt starts with the same tokens can reuse the KV
 instead of recomputing it. A request's ``extra_key`` (its LoRA adapter's name,
 as vLLM's extra hash keys) seeds its chain: requests of different keys never
-share a block, requests of the same key do. Freed blocks keep their hash until the free queue
+share a block, requests of the same key do. The token ids hashed may carry an image's content hash in
+place of its first placeholder token (``Request.block_hash_ids``): images are part of the KV they make. Freed blocks keep their hash until the free queue
 hands them out again, which is the eviction. Every call touches only the blocks
 it takes, frees or hashes; nothing scans the pool (except reset_prefix_cache,
 which walks the cached blocks once).
@@ -22,7 +23,7 @@ NULL_BLOCK = 0  # Reserved: padding in block tables, never handed out.
 _ROOT_HASH = 0  # Parent hash of a sequence's first block.
 
 
-def _block_hash(parent: int, block_tokens: Sequence[int]) -> int:
+def _block_hash(parent: int, block_tokens: Sequence[int | str]) -> int:
     """Hash of a full block: its tokens chained with everything before it."""
     return hash((parent, tuple(block_tokens)))
 
@@ -116,7 +117,7 @@ class KVCacheManager:
         return old
 
     def get_computed_blocks(
-        self, req_id: str, token_ids: Sequence[int], extra_key: str | None = None
+        self, req_id: str, token_ids: Sequence[int | str], extra_key: str | None = None
     ) -> tuple[list[int], int]:
         """Cached blocks of the longest cached prefix of ``token_ids`` under ``extra_key`` and the tokens
         they hold.
@@ -145,7 +146,7 @@ class KVCacheManager:
     def allocate_slots(
         self,
         req_id: str,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int | str],
         num_new_tokens: int,
         num_computed_tokens: int,
         new_computed_blocks: Sequence[int] = (),
@@ -177,7 +178,7 @@ class KVCacheManager:
         self,
         req_id: str,
         req: _RequestBlocks | None,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int | str],
         num_tokens: int,
         computed: list[int],
         extra_key: str | None,
@@ -223,7 +224,7 @@ class KVCacheManager:
         return True
 
     def _verified_hashes(
-        self, req: _RequestBlocks | None, token_ids: Sequence[int], computed: list[int], root: int
+        self, req: _RequestBlocks | None, token_ids: Sequence[int | str], computed: list[int], root: int
     ) -> list[int]:
         """Chain hashes of the computed blocks, checked to still be cached for these tokens.
 
@@ -260,7 +261,7 @@ class KVCacheManager:
         self._ref_counts[block] = 1
         return block
 
-    def _cache_full_blocks(self, req: _RequestBlocks, token_ids: Sequence[int], num_full: int) -> None:
+    def _cache_full_blocks(self, req: _RequestBlocks, token_ids: Sequence[int | str], num_full: int) -> None:
         """Hash the request's newly full blocks; register each hash not cached yet."""
         bs = self.block_size
         for i in range(len(req.hashes), num_full):

@@ -19,6 +19,7 @@ from jaxrunner.config import (
     CompilationConfig,
     LoRAConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     RunnerConfig,
     SamplerConfig,
@@ -26,6 +27,7 @@ from jaxrunner.config import (
     SpeculativeConfig,
 )
 from jaxrunner.engine.data_parallel import DataParallelEngines
+from jaxrunner.engine.encoder_cache_manager import EncoderCacheManager
 from jaxrunner.engine.input_processor import PreparedPrompt
 from jaxrunner.engine.kv_cache_manager import KVCacheManager
 from jaxrunner.engine.llm_engine import LLMEngine
@@ -37,6 +39,7 @@ from jaxrunner.lora.request import LoRARequest
 from jaxrunner.models.builtin import DEFAULT_DTYPES, check_model_name, is_builtin
 from jaxrunner.models.safetensors_io import CONFIG_FILE, read_json_object
 from jaxrunner.models.tokenizer import build_byte_tokenizer, load_tokenizer
+from jaxrunner.multimodal.processing import MultiModalProcessor
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.sharding import make_mesh, replica_meshes
 
@@ -157,6 +160,7 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
     ):
         check_model_name(model)  # before anything is built: a misspelled name or a hub id gets the built-in names
         on_cpu = jax.default_backend() == "cpu"
@@ -207,8 +211,10 @@ class LLM:
                 SpeculativeConfig(**speculative_config) if isinstance(speculative_config, dict) else speculative_config
             ),
             lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
+            multimodal_config=MultiModalConfig(dict(limit_mm_per_prompt or {})),
         )
         self.config = config
+        self.mm_processor: MultiModalProcessor | None = None  # a vision-language model's, made with the first engine
         self.replicas = DataParallelEngines([self._make_engine(mesh, i) for i, mesh in enumerate(meshes)])
         self.llm_engine = self.replicas.engines[0]
         self.kv_cache_manager = self.llm_engine.scheduler.kv_cache_manager
@@ -232,8 +238,26 @@ class LLM:
         manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching)
         lookahead = config.num_speculative_tokens if config.uses_draft_model else 0
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
-        scheduler = Scheduler(config.scheduler_config, manager, runner.max_model_len, lookahead, max_loras)
-        return LLMEngine(runner, scheduler, self.tokenizer)
+        encoder_cache, encoder_budget = None, 0
+        if runner.encoder_runner is not None:
+            model_dir = config.model_config.model
+            assert model_dir is not None, "a vision-language model is loaded from its checkpoint directory"
+            if self.mm_processor is None:
+                self.mm_processor = MultiModalProcessor.from_checkpoint(
+                    model_dir, runner.model_arch, config.multimodal_config
+                )
+            encoder_budget, cache_size = config.scheduler_config.encoder_budget(runner.max_model_len)
+            encoder_cache = EncoderCacheManager(cache_size)
+        scheduler = Scheduler(
+            config.scheduler_config,
+            manager,
+            runner.max_model_len,
+            lookahead,
+            max_loras,
+            encoder_cache_manager=encoder_cache,
+            encoder_compute_budget=encoder_budget,
+        )
+        return LLMEngine(runner, scheduler, self.tokenizer, self.mm_processor)
 
     def get_tokenizer(self) -> transformers.PreTrainedTokenizerBase:
         """The tokenizer prompts are encoded and outputs decoded with; ValueError with

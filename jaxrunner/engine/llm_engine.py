@@ -25,6 +25,7 @@ from jaxrunner.engine.ngram_proposer import NgramProposer
 from jaxrunner.engine.output_processor import OutputProcessor, refused_output
 from jaxrunner.engine.outputs import RequestOutput
 from jaxrunner.engine.prompts import ParsedPrompt, PromptType, parse_prompt
+from jaxrunner.multimodal.processing import MultiModalProcessor
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.engine.structured_outputs import StructuredOutputManager
 from jaxrunner.interfaces import (
@@ -91,7 +92,9 @@ def _kv_tokens_read(scheduler_output: SchedulerOutput) -> int:
 class LLMEngine:
     """Runs requests to completion over a ``Scheduler`` and a ``ModelRunner``."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer=None):
+    def __init__(
+        self, runner: ModelRunner, scheduler: Scheduler, tokenizer=None, mm_processor: MultiModalProcessor | None = None
+    ):
         self.runner = runner
         self.scheduler = scheduler
         self.spans = runner.spans
@@ -99,7 +102,7 @@ class LLMEngine:
         self.structured_outputs = (
             StructuredOutputManager(tokenizer, runner.vocab_size) if tokenizer is not None else None
         )
-        self.input_processor = InputProcessor(runner, scheduler, tokenizer, self.structured_outputs)
+        self.input_processor = InputProcessor(runner, scheduler, tokenizer, self.structured_outputs, mm_processor)
         self.output_processor = OutputProcessor(scheduler, tokenizer, self.structured_outputs)
         spec = runner.config.speculative_config
         self.num_spec = runner.config.num_speculative_tokens
@@ -150,7 +153,8 @@ class LLMEngine:
         token_ids: list[int] = []
         try:
             token_ids = self.input_processor.tokenize(prompt)
-            requests = self.input_processor.make_requests(request_id, token_ids, params, lora_request)
+            token_ids, mm_features = self.input_processor.process_multimodal(prompt, token_ids)
+            requests = self.input_processor.make_requests(request_id, token_ids, params, lora_request, mm_features)
         except ValueError as error:
             return refused_output(request_id, prompt.text, token_ids, str(error), lora_request)
         return PreparedPrompt(request_id, prompt.text, token_ids, requests)

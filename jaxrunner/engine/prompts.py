@@ -3,6 +3,8 @@
 A prompt is text, token ids, or a dict naming either: ``TextPrompt``
 (``{"prompt": text}``) or ``TokensPrompt`` (``{"prompt_token_ids": ids}``, with
 an optional ``"prompt"``: the text the ids stand for, shown in the output).
+Either dict may carry ``multi_modal_data`` (``{"image": image_or_list}``) for a
+vision-language model; the engine reads and checks the images, per prompt.
 Token ids may be Python or NumPy integers, or a one-dimensional NumPy integer
 array; they become Python ints. Anything else is refused here, before any
 prompt of a call reaches the engine, with an error naming the prompt.
@@ -18,9 +20,10 @@ import numpy as np
 
 
 class TextPrompt(TypedDict):
-    """A text prompt, tokenized by the engine."""
+    """A text prompt, tokenized by the engine, with its images if any."""
 
     prompt: str
+    multi_modal_data: NotRequired[Mapping[str, object]]
 
 
 class TokensPrompt(TypedDict):
@@ -28,20 +31,23 @@ class TokensPrompt(TypedDict):
 
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
+    multi_modal_data: NotRequired[Mapping[str, object]]
 
 
 PromptType = str | TextPrompt | TokensPrompt | Sequence[int | np.integer] | np.ndarray
 """One prompt, in any of the forms ``LLM`` takes."""
 
-_DICT_KEYS = ("prompt", "prompt_token_ids")
+_DICT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParsedPrompt:
-    """One prompt in the engine's terms: its text (None for bare token ids), its token ids (None: tokenize the text)."""
+    """One prompt in the engine's terms: its text (None for bare token ids), its token ids (None: tokenize the
+    text), and its images (``multi_modal_data``, None: none)."""
 
     text: str | None
     token_ids: list[int] | None
+    multi_modal_data: Mapping[str, object] | None = None
 
 
 def is_token_id(value: object) -> bool:
@@ -83,16 +89,22 @@ def _parse_dict(prompt: Mapping, where: str) -> ParsedPrompt:
     if unknown:
         raise ValueError(
             f"{where} has keys {unknown} that are not supported: a prompt dict takes 'prompt' (a TextPrompt) "
-            "or 'prompt_token_ids' with an optional 'prompt' (a TokensPrompt)."
+            "or 'prompt_token_ids' with an optional 'prompt' (a TokensPrompt), and optionally 'multi_modal_data'."
+        )
+    mm_data = prompt.get("multi_modal_data")
+    if mm_data is not None and not isinstance(mm_data, Mapping):
+        raise TypeError(
+            f"{where}['multi_modal_data'] must be a dict by modality ({{'image': image_or_list}}); "
+            f"got {type(mm_data).__name__}."
         )
     text = prompt.get("prompt")
     if text is not None and not isinstance(text, str):
         raise TypeError(f"{where}['prompt'] must be text (a str); got {type(text).__name__}.")
     if "prompt_token_ids" in prompt:
-        return ParsedPrompt(text, _token_ids(prompt["prompt_token_ids"], f"{where}['prompt_token_ids']"))
+        return ParsedPrompt(text, _token_ids(prompt["prompt_token_ids"], f"{where}['prompt_token_ids']"), mm_data)
     if text is None:
         raise ValueError(f"{where} is a dict without 'prompt' or 'prompt_token_ids'; give one of them.")
-    return ParsedPrompt(text, None)
+    return ParsedPrompt(text, None, mm_data)
 
 
 def _token_ids(ids: object, where: str) -> list[int]:

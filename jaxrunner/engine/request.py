@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Sequence
 
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.lora.request import LoRARequest
+from jaxrunner.multimodal.inputs import MultiModalFeatureSpec
 
 
 class RequestStatus(enum.Enum):
@@ -61,15 +63,26 @@ class Request:
     multi_step_ok: bool = False
     # The LoRA adapter the request runs with (None: the base model alone).
     lora_request: LoRARequest | None = None
+    # The prompt's images (``jaxrunner.multimodal``), in prompt order.
+    mm_features: list[MultiModalFeatureSpec] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Prompt then outputs, kept as one list: the block hashes read it every step.
         self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        # What the prefix cache hashes: the tokens, each image's first placeholder standing for the image
+        # (its hash); None for a request without images, which hashes its token list itself.
+        self._block_hash_ids: list[int | str] | None = None
+        if self.mm_features:
+            self._block_hash_ids = list(self._all_token_ids)
+            for feature in self.mm_features:
+                self._block_hash_ids[feature.mm_position.offset] = feature.identifier
 
     def append_output_token_ids(self, token_id: int) -> None:
         """Add one sampled token to the outputs (and to ``all_token_ids``)."""
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        if self._block_hash_ids is not None:
+            self._block_hash_ids.append(token_id)
 
     def finish(self, status: RequestStatus) -> None:
         """End the request with ``status`` (a finished one), now."""
@@ -90,6 +103,12 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt and output tokens known on the host."""
         return len(self._all_token_ids)
+
+    @property
+    def block_hash_ids(self) -> Sequence[int | str]:
+        """``all_token_ids`` as the prefix cache hashes them: an image's first placeholder is its hash, so
+        prompts with different images never share a block and prompts with the same image do."""
+        return self._all_token_ids if self._block_hash_ids is None else self._block_hash_ids
 
     @property
     def all_token_ids(self) -> list[int]:

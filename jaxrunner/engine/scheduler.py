@@ -15,6 +15,12 @@ and later requests may start past it. So that it is never starved, the adapter
 that has held its slot longest then takes no new request until its running
 requests end and the slot frees (``_lora_to_free``): the skipped request, first
 in the queue among those waiting for a slot, takes it.
+
+With images, as vLLM's: an image is encoded in the step that first schedules one
+of its placeholder tokens, unless the encoder cache holds it already; a step
+encodes at most the encoder budget's embeddings, and the cache holds at most its
+size (``EncoderCacheManager``). A request whose next image does not fit is
+scheduled up to the token before it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import time
 from collections.abc import Iterable
 
 from jaxrunner.config import SchedulerConfig
+from jaxrunner.engine.encoder_cache_manager import EncoderCacheManager
 from jaxrunner.engine.kv_cache_manager import KVCacheManager
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.interfaces import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -83,8 +90,13 @@ class Scheduler:
         max_model_len: int,
         num_lookahead_tokens: int = 0,
         max_loras: int | None = None,
+        encoder_cache_manager: EncoderCacheManager | None = None,
+        encoder_compute_budget: int = 0,
     ):
         self.config = config
+        # Vision-language models: the encoder cache's bookkeeping and the embeddings a step may encode.
+        self.encoder_cache_manager = encoder_cache_manager
+        self.encoder_compute_budget = encoder_compute_budget
         # Distinct adapters the running requests may use (None: LoRA off).
         self.max_loras = max_loras
         # An adapter that takes no new request until its slot frees, for a request waiting for one.
@@ -125,6 +137,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.finish(status)
         self.kv_cache_manager.free(request.request_id)
+        self._free_encoder_cache(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -136,6 +149,8 @@ class Scheduler:
         self.running.clear()
         self._finished_req_ids.clear()
         self._lora_to_free = None
+        if self.encoder_cache_manager is not None:
+            self.encoder_cache_manager.reset()
 
     @property
     def num_unfinished(self) -> int:
@@ -152,6 +167,8 @@ class Scheduler:
         """Choose this step's requests and their token counts, allocate their KV blocks, and say
         what the runner must add, update and free."""
         budget = self.config.max_num_batched_tokens
+        encoder_budget = self.encoder_compute_budget
+        encoder_inputs_by_req: dict[str, list[int]] = {}
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
         cached = CachedRequestData()
@@ -169,13 +186,19 @@ class Scheduler:
             num_new = min(remaining + len(request.spec_token_ids), budget)
             if not self.config.enable_chunked_prefill and num_new < remaining:
                 break
+            encoder_inputs, num_new, encoder_budget = self._try_schedule_encoder_inputs(
+                request, request.num_computed_tokens, num_new, encoder_budget
+            )
+            if num_new == 0:  # its next image does not fit this step's encoder budget or the cache
+                index += 1
+                continue
             drafts = request.spec_token_ids[: max(num_new - remaining, 0)]
             lookahead = self._lookahead(request, num_new)
             budget -= num_new  # per step: a round of several steps schedules one token a step
             num_new *= steps
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
-                    request.request_id, request.all_token_ids, num_new + lookahead, request.num_computed_tokens
+                    request.request_id, request.block_hash_ids, num_new + lookahead, request.num_computed_tokens
                 )
                 if new_blocks is not None:
                     break
@@ -186,6 +209,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
+            self._allocate_encoder_inputs(request, encoder_inputs, encoder_inputs_by_req)
             cached.req_ids.append(request.request_id)
             cached.num_computed_tokens.append(request.num_computed_tokens)
             cached.new_block_ids.append((new_blocks,) if new_blocks else None)
@@ -213,7 +237,7 @@ class Scheduler:
             tokens = request.all_token_ids
             if request.sampling_params.prompt_logprobs is None:
                 computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(
-                    request.request_id, tokens, request.lora_name
+                    request.request_id, request.block_hash_ids, request.lora_name
                 )
             else:  # every prompt token must be computed to score it
                 computed_blocks, num_computed = [], 0
@@ -221,9 +245,14 @@ class Scheduler:
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(remaining, budget)
+            encoder_inputs, num_new, new_encoder_budget = self._try_schedule_encoder_inputs(
+                request, num_computed, num_new, encoder_budget
+            )
+            if num_new == 0:
+                break
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request.request_id,
-                tokens,
+                request.block_hash_ids,
                 num_new + self._lookahead(request, num_new, num_computed),
                 num_computed,
                 computed_blocks,
@@ -231,6 +260,7 @@ class Scheduler:
             )
             if new_blocks is None:
                 break
+            encoder_budget = new_encoder_budget
             del self.waiting[waiting_index]
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
@@ -246,8 +276,10 @@ class Scheduler:
                     block_ids=(self.kv_cache_manager.get_block_ids(request.request_id),),
                     num_computed_tokens=num_computed,
                     lora_request=request.lora_request,
+                    mm_features=request.mm_features,
                 )
             )
+            self._allocate_encoder_inputs(request, encoder_inputs, encoder_inputs_by_req)
             num_scheduled[request.request_id] = num_new
             self._advance_computed(request, num_new, steps)
             budget -= num_new
@@ -264,8 +296,58 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
+            free_encoder_mm_hashes=(
+                [] if self.encoder_cache_manager is None else self.encoder_cache_manager.get_freed_mm_hashes()
+            ),
+            scheduled_encoder_inputs=encoder_inputs_by_req,
             num_decode_steps=steps,
         )
+
+    def _try_schedule_encoder_inputs(
+        self, request: Request, num_computed: int, num_new: int, encoder_budget: int
+    ) -> tuple[list[int], int, int]:
+        """The request's images to encode for the tokens ``[num_computed, num_computed + num_new)``, the
+        tokens it may take (fewer: up to an image that does not fit the encoder budget or the cache), and
+        the budget left, as vLLM's. Images whose tokens are all computed, or cached already, need nothing."""
+        manager = self.encoder_cache_manager
+        if manager is None or not request.mm_features or num_new == 0:
+            return [], num_new, encoder_budget
+        to_encode: list[int] = []
+        hashes: set[str] = set()
+        num_embeds = 0
+        for input_id, feature in enumerate(request.mm_features):
+            position = feature.mm_position
+            if position.offset >= num_computed + num_new:
+                break
+            if position.end <= num_computed or feature.identifier in hashes:
+                continue
+            if manager.check_and_update_cache(request, input_id):
+                continue
+            if not manager.can_allocate(request, input_id, encoder_budget, num_embeds):
+                num_new = max(position.offset - num_computed, 0)
+                break
+            to_encode.append(input_id)
+            hashes.add(feature.identifier)
+            num_embeds += feature.num_embeds
+            encoder_budget -= feature.num_embeds
+        return to_encode, num_new, encoder_budget
+
+    def _allocate_encoder_inputs(self, request: Request, input_ids: list[int], scheduled: dict[str, list[int]]) -> None:
+        """Room in the encoder cache for the images a scheduled request encodes this step."""
+        if not input_ids:
+            return
+        assert self.encoder_cache_manager is not None
+        for input_id in input_ids:
+            self.encoder_cache_manager.allocate(request, input_id)
+        scheduled[request.request_id] = input_ids
+
+    def _free_encoder_cache(self, request: Request, only_computed: bool = False) -> None:
+        """Drop the request's references to its images (``only_computed``: to those whose tokens are all computed)."""
+        if self.encoder_cache_manager is None or not request.mm_features:
+            return
+        for input_id, feature in enumerate(request.mm_features):
+            if not only_computed or feature.mm_position.end <= request.num_computed_tokens:
+                self.encoder_cache_manager.free_encoder_input(request, input_id)
 
     def _running_loras(self) -> dict[int, None]:
         """The adapters of the running requests (ids, base model left out), in the order they started
@@ -358,6 +440,7 @@ class Scheduler:
         """Free the request's blocks and queue it first; a token it is still sampling is kept
         when it arrives (``update_from_output``), before the request can be resumed."""
         self.kv_cache_manager.free(request.request_id)
+        self._free_encoder_cache(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -377,6 +460,11 @@ class Scheduler:
         """
         updates = []
         now = time.monotonic()
+        if self.encoder_cache_manager is not None:
+            for req_id in scheduler_output.num_scheduled_tokens:
+                request = self.requests.get(req_id)
+                if request is not None:
+                    self._free_encoder_cache(request, only_computed=True)
         steps, spec = scheduler_output.num_decode_steps, scheduler_output.scheduled_spec_decode_tokens
         for req_id, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)

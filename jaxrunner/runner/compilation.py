@@ -133,6 +133,17 @@ def make_ladder(requested: Iterable[int] | None, max_size: int, name: str) -> li
     return ladder
 
 
+def encoder_ladder(max_patches: int, merge_area: int) -> list[int]:
+    """Patch buckets of the image encoder: 64, 96, 128, 192, 256, ... (two a octave) up to ``max_patches``,
+    each a multiple of ``merge_area``: an image pads by at most half, in attention that grows as its square."""
+    sizes, size = [], 64
+    while size < max_patches:
+        sizes += [size, size * 3 // 2]
+        size *= 2
+    top = -(-max_patches // merge_area) * merge_area
+    return sorted({-(-s // merge_area) * merge_area for s in sizes if s < top} | {top})
+
+
 def pad_to_bucket(size: int, ladder: list[int], what: str) -> int:
     """The smallest bucket that holds ``size``; a clear error past the largest."""
     i = bisect.bisect_left(ladder, size)
@@ -264,6 +275,10 @@ class ProgramInputs:
     cache_sharding: jax.sharding.Sharding  # the KV caches': split on KV heads
     replicated: jax.sharding.Sharding  # everything else's
     lora_weights: LoRAWeights | None = None  # the LoRA slots (of ShapeDtypeStructs); None: LoRA off
+    encoder_cache: jax.ShapeDtypeStruct | None = None  # a vision-language model's encoder outputs, [rows, E]
+    patch_features: int = 0  # features of one image patch, what the vision encoder reads
+    max_image_patches: int = 0  # the largest image the encoder takes, in patches (a multiple of merge_area)
+    merge_area: int = 1  # patches merged into one placeholder token
 
 
 class CompilationManager:
@@ -271,8 +286,9 @@ class CompilationManager:
 
     ``forward`` (token bucket), ``sample`` ((request bucket, plain path)),
     ``write_new_requests`` (request bucket), ``decode_steps`` ((token bucket,
-    request bucket, steps)), ``prompt_logprobs`` (token bucket) and, with LoRA,
-    ``set_lora_slot`` (one program, key None, for every slot). Programs that
+    request bucket, steps)), ``prompt_logprobs`` (token bucket), with LoRA
+    ``set_lora_slot`` (one program, key None, for every slot), and for a
+    vision-language model ``encode_image`` (patch bucket: one image a call). Programs that
     take the KV cache are lowered for ``num_blocks`` blocks, set once the cache is
     sized. With LoRA the forward programs take the slots' weights as an argument
     (not donated), so loading an adapter changes an input, never a program.
@@ -306,6 +322,10 @@ class CompilationManager:
         )
         self.prompt_logprobs = CompiledPrograms("prompt_logprobs", self._lower_prompt_logprobs, options)
         self.set_lora_slot = CompiledPrograms("set_lora_slot", lambda _: self._lower_set_lora_slot())
+        self.encode_image = CompiledPrograms("encode_image", self._lower_encode_image)
+        self.patch_buckets = (
+            encoder_ladder(inputs.max_image_patches, inputs.merge_area) if inputs.encoder_cache is not None else []
+        )
         # Outputs keep the inputs' layout: caches split on KV heads, everything else replicated.
         cache, whole = inputs.cache_sharding, inputs.replicated
         self._sample_jit = jax.jit(
@@ -318,7 +338,8 @@ class CompilationManager:
     @property
     def programs(self) -> tuple[CompiledPrograms, ...]:
         programs = (self.forward, self.sample, self.write_new_requests, self.decode_steps, self.prompt_logprobs)
-        return programs + ((self.set_lora_slot,) if self.inputs.lora_weights is not None else ())
+        programs += (self.set_lora_slot,) if self.inputs.lora_weights is not None else ()
+        return programs + ((self.encode_image,) if self.patch_buckets else ())
 
     def compiler_options(self, num_rows: int) -> CompilerOptions:
         """XLA's options for a step program over ``num_rows`` rows (tokens, or requests to sample)."""
@@ -329,6 +350,9 @@ class CompilationManager:
 
     def request_bucket(self, num_reqs: int, what: str = "requests") -> int:
         return pad_to_bucket(num_reqs, self.request_buckets, what)
+
+    def patch_bucket(self, num_patches: int) -> int:
+        return pad_to_bucket(num_patches, self.patch_buckets, "image patches")
 
     # ------------------------------------------------------------ precompile
 
@@ -341,6 +365,7 @@ class CompilationManager:
         jobs += [(self.decode_steps, key) for key in self.decode_steps_keys()]
         jobs += [(self.prompt_logprobs, b) for b in self.token_buckets]
         jobs += [(self.set_lora_slot, None)] if self.inputs.lora_weights is not None else []
+        jobs += [(self.encode_image, b) for b in self.patch_buckets]
         for programs, bucket in tqdm(jobs, desc="Precompiling buckets", leave=False):
             programs.get(bucket)
         return time.perf_counter() - start
@@ -372,7 +397,8 @@ class CompilationManager:
         # jax/__init__.py assigns jax.Device (``Device = _xc.Device``), which pyright takes for a variable.
         device: jax.Device,  # pyright: ignore[reportInvalidTypeForm]
     ) -> ActivationPeak:
-        """The activation peak of the largest steps on ``device``: their forward and sampling programs, run once.
+        """The activation peak of the largest steps on ``device``: their forward and sampling programs, run once,
+        then a vision-language model's encoder on the largest image.
 
         The programs are compiled for a throw-away cache of ``_PROFILE_NUM_BLOCKS``
         blocks (a cache is donated in place, so its size adds no temporaries) and run
@@ -387,12 +413,16 @@ class CompilationManager:
         forward = _compile(self._lower_forward(tokens, _PROFILE_NUM_BLOCKS), self.compiler_options(tokens))
         sample = _compile(self._lower_sample(reqs, _PROFILE_NUM_BLOCKS), self.compiler_options(reqs))
         xla_bytes = _allocated_bytes(forward) + _allocated_bytes(sample)
+        encode = None
+        if self.patch_buckets:
+            encode = _compile(self._lower_encode_image(self.patch_buckets[-1]), {})
+            xla_bytes = max(xla_bytes, _allocated_bytes(encode))
         if device_memory_stats(device) is None:
             return ActivationPeak(xla_bytes, measured_bytes=None)
         shape = self.step_shapes[tokens]
         zeros = lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding)
         caches, draft_caches, state = jax.tree.map(zeros, self._step_args(shape, _PROFILE_NUM_BLOCKS)[2:5])
-        lora_weights = jax.tree.map(zeros, self.inputs.lora_weights)
+        lora_weights, encoder_cache = jax.tree.map(zeros, (self.inputs.lora_weights, self.inputs.encoder_cache))
         logits_rows = reqs * (self.statics.num_spec + 1)
         no_grammar = (
             np.zeros((logits_rows, bitmask_words(self.inputs.vocab_size)), np.int32),
@@ -401,10 +431,25 @@ class CompilationManager:
         try:
             ballast = _hold_up_to_peak(device)
             in_use = _stats(device)["bytes_in_use"]
+            step_buffer = self._profile_step_buffer(shape)
             _, draft_caches, state, sample_hidden, rows, _ = forward(
-                params, draft_params, caches, draft_caches, state, self._profile_step_buffer(shape), lora_weights
+                params, draft_params, caches, draft_caches, state, step_buffer, lora_weights, encoder_cache
             )
             jax.block_until_ready(sample(params, draft_params, draft_caches, sample_hidden, rows, state, *no_grammar))
+            if encode is not None:
+                patches = self.patch_buckets[-1]
+                int_zeros = lambda *shape: np.zeros(shape, np.int32)
+                jax.block_until_ready(
+                    encode(
+                        params,
+                        encoder_cache,
+                        np.zeros((patches, self.inputs.patch_features), np.float32),
+                        int_zeros(patches, 2),
+                        int_zeros(patches),
+                        int_zeros(patches),
+                        int_zeros(patches // self.inputs.merge_area),
+                    )
+                )
         except jax.errors.JaxRuntimeError as error:
             if "RESOURCE_EXHAUSTED" not in str(error):
                 raise
@@ -439,6 +484,7 @@ class CompilationManager:
             append_capacity=BlockTables.append_capacity(num_tokens, num_reqs, statics.block_size),
             num_spec=statics.num_spec,
             drafts_on_device=statics.drafts_on_device,
+            multimodal=self.inputs.encoder_cache is not None,
         )
 
     def _input(self, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
@@ -450,7 +496,8 @@ class CompilationManager:
         return [] if spec is None else spec.abstract(num_blocks, self.inputs.cache_sharding)
 
     def _step_args(self, shape: StepShape, num_blocks: int) -> tuple:
-        """Abstract arguments of the forward programs: parameters, caches, state, step buffer, LoRA slots."""
+        """Abstract arguments of the forward programs: parameters, caches, state, step buffer, LoRA slots,
+        encoder cache."""
         inputs = self.inputs
         return (
             inputs.params,
@@ -460,6 +507,7 @@ class CompilationManager:
             inputs.device_state,
             self._input((shape.buffer_words,), jnp.int32),
             inputs.lora_weights,
+            inputs.encoder_cache,
         )
 
     def _lower_forward(self, num_tokens: int, num_blocks: int) -> jax.stages.Lowered:
@@ -526,6 +574,24 @@ class CompilationManager:
             self._input((num_tokens, *inputs.hidden.shape), inputs.hidden.dtype),
             self._input((num_tokens,), jnp.int32),
             self._input((num_tokens,), jnp.int32),
+        )
+
+    def _lower_encode_image(self, num_patches: int) -> jax.stages.Lowered:
+        inputs = self.inputs
+        assert inputs.encoder_cache is not None, "encode_image exists for vision-language models only"
+        encode_jit = jax.jit(
+            functools.partial(step_functions.encode_image, self.statics),
+            donate_argnums=(1,),
+            out_shardings=inputs.replicated,
+        )
+        return encode_jit.lower(
+            inputs.params,
+            inputs.encoder_cache,
+            self._input((num_patches, inputs.patch_features), jnp.float32),
+            self._input((num_patches, 2), jnp.int32),
+            self._input((num_patches,), jnp.int32),
+            self._input((num_patches,), jnp.int32),
+            self._input((num_patches // inputs.merge_area,), jnp.int32),
         )
 
     def _lower_set_lora_slot(self) -> jax.stages.Lowered:

@@ -14,6 +14,7 @@ request slots, S drafts per request.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jaxtyping import Array, Bool, Int
 
 from jaxrunner.ops import AttentionMetadata
 from jaxrunner.runner.block_table import apply_block_appends, compute_slot_mapping
+from jaxrunner.runner.mrope import mrope_positions
 from jaxrunner.runner.states import NO_LORA, DeviceState
 
 
@@ -34,11 +36,34 @@ class StepShape:
     append_capacity: int  # block appends the step buffer carries
     num_spec: int = 0  # draft tokens per request at most (speculative decoding)
     drafts_on_device: bool = False  # a proposer on the device left them in DeviceState.draft_tokens
+    multimodal: bool = False  # the buffer carries each token's encoder cache row (vision-language models)
 
     @property
     def buffer_words(self) -> int:
         """int32 words of the packed per-step buffer for this shape."""
+        mm_words = self.num_tokens if self.multimodal else 0
+        return (3 + self.num_spec) * self.num_reqs + 3 * self.append_capacity + mm_words
+
+    @property
+    def encoder_rows_start(self) -> int:
         return (3 + self.num_spec) * self.num_reqs + 3 * self.append_capacity
+
+
+NO_ENCODER_ROW = -1
+"""A token's encoder cache row when it is not an image placeholder: its embedding is its token's."""
+
+
+class StepInputs(NamedTuple):
+    """What the forward step reads, built on the device from the step buffer and the request state."""
+
+    input_ids: Int[Array, " num_tokens"]
+    positions: Int[Array, " num_tokens"]  # each token's position in its request
+    model_positions: Int[Array, " num_tokens"] | Int[Array, "3 num_tokens"]  # RoPE's: M-RoPE's three rows
+    metadata: AttentionMetadata
+    rows: SampleRows
+    row_index: Int[Array, "num_rows num_spec_plus_1"]  # the packed token of each logits row
+    token_lora_slots: Int[Array, " num_tokens"]  # its request's LoRA slot (NO_LORA for padding)
+    encoder_rows: Int[Array, " num_tokens"] | None  # encoder cache row or NO_ENCODER_ROW; None: text model
 
 
 @jax.tree_util.register_dataclass
@@ -98,8 +123,10 @@ def pack_step_buffer(
     drafts: list[list[int]],
     appends: np.ndarray,
     pad_slot: int,
+    encoder_rows: np.ndarray | None = None,
 ) -> np.ndarray:
-    """``[slots | scheduled counts | draft counts | drafts | block-append triples]``, one int32 buffer.
+    """``[slots | scheduled counts | draft counts | drafts | block-append triples | encoder rows]``, one int32
+    buffer; the last part only for a multimodal shape (``encoder_rows``: each token's, none for padding).
 
     ``drafts`` holds each request's draft tokens, or nothing when no request has any.
     """
@@ -114,23 +141,20 @@ def pack_step_buffer(
         if tokens:  # most rows have none: skip their (slow, small) numpy writes
             num_drafts[i] = len(tokens)
             draft_tokens[i, : len(tokens)] = tokens
-    buffer[(3 + k) * r :] = appends.reshape(-1)
+    buffer[(3 + k) * r : shape.encoder_rows_start] = appends.reshape(-1)
+    if shape.multimodal:
+        mm = buffer[shape.encoder_rows_start :]
+        mm[:] = NO_ENCODER_ROW
+        if encoder_rows is not None:
+            mm[: encoder_rows.size] = encoder_rows
     return buffer
 
 
 def build_step_inputs(
     state: DeviceState, step_buffer: Int[Array, " buffer_words"], shape: StepShape, block_size: int
-) -> tuple[
-    DeviceState,
-    Int[Array, " num_tokens"],
-    Int[Array, " num_tokens"],
-    AttentionMetadata,
-    SampleRows,
-    Int[Array, "num_rows num_spec_plus_1"],
-    Int[Array, " num_tokens"],
-]:
-    """Input ids, positions, attention metadata, sample rows, logits indices and each token's LoRA slot
-    (its request's; ``NO_LORA`` for padding), from the step buffer (in jit).
+) -> tuple[DeviceState, StepInputs]:
+    """The step's ``StepInputs`` from the step buffer and the request state (in jit); the state gets the
+    step's block appends.
 
     A request with drafts is decoding: its first query token is its last
     sampled token and the next ``num_drafts`` are the drafts, to be verified.
@@ -141,7 +165,7 @@ def build_step_inputs(
     num_scheduled = step_buffer[r : 2 * r]
     num_drafts = step_buffer[2 * r : 3 * r]
     draft_tokens = step_buffer[3 * r : (3 + k) * r].reshape(r, k)
-    appends = step_buffer[(3 + k) * r :].reshape(3, shape.append_capacity)
+    appends = step_buffer[(3 + k) * r : shape.encoder_rows_start].reshape(3, shape.append_capacity)
     state = dataclasses.replace(state, block_table=apply_block_appends(state.block_table, appends))
 
     take = lambda a: a.at[idx_mapping].get(mode="fill", fill_value=0)
@@ -174,6 +198,11 @@ def build_step_inputs(
     token_lora_slots = jnp.where(is_real, state.lora_slots.at[token_slot].get(mode="fill", fill_value=NO_LORA), NO_LORA)
     slot_mapping = compute_slot_mapping(state.block_table, token_slot, positions, is_real, block_size)
     positions = jnp.where(is_real, positions, 0)
+    model_positions = positions
+    if state.mrope_positions is not None and state.mrope_delta is not None:
+        model_positions = mrope_positions(
+            state.mrope_positions, state.mrope_delta, prefill_len[token_req], token_slot, positions
+        )
     metadata = AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
@@ -195,7 +224,17 @@ def build_step_inputs(
         positions=pad_rows(jnp.maximum(row_positions, 0), 0),
         is_sampling=pad_rows((num_scheduled > 0) & (seq_lens >= prefill_len), False),
     )
-    return state, input_ids, positions, metadata, rows, jnp.maximum(row_index, 0), token_lora_slots
+    encoder_rows = step_buffer[shape.encoder_rows_start :] if shape.multimodal else None
+    return state, StepInputs(
+        input_ids,
+        positions,
+        model_positions,
+        metadata,
+        rows,
+        jnp.maximum(row_index, 0),
+        token_lora_slots,
+        encoder_rows,
+    )
 
 
 def post_update(

@@ -66,6 +66,7 @@ from jaxrunner.runner.compilation import (
     enable_compilation_cache,
 )
 from jaxrunner.runner.decode_rounds import check_decode_round, check_num_decode_steps, check_round_output
+from jaxrunner.runner.encoder_runner import EncoderRunner, check_multimodal_support
 from jaxrunner.runner.input_batch import InputBatch, SampleRows, pack_step_buffer
 from jaxrunner.runner.kv_cache import KVCaches, KVCacheSpec, MemoryBudget, allocate_kv_caches, size_kv_cache
 from jaxrunner.runner.lora import LORA_OFF, LoRASlots, check_lora_support
@@ -176,12 +177,7 @@ class ModelRunner:
                 if self.model_config.model is None:
                     raise ValueError("ModelConfig.model names no checkpoint directory, and no model was given.")
                 model = self._load_named(self.model_config.model)
-            if model.config.vision is not None:
-                raise NotImplementedError(
-                    "Serving a vision-language model (Qwen2-VL, Qwen2.5-VL) is not supported yet: the runner has no "
-                    "encoder program or M-RoPE positions. The model itself loads and runs with "
-                    "jaxrunner.models.load_model(path), as its tests do."
-                )
+            check_multimodal_support(self.config, model.config)
             self.model = model
             self.model_arch: TransformerConfig = model.config
             self.vocab_size = self.model_arch.vocab_size
@@ -201,6 +197,8 @@ class ModelRunner:
                 head_dim=self.model_arch.head_dim,
                 dtype=kv_dtype,
             )
+            vision = self.model_arch.vision
+            self.uses_mrope = self.model_arch.mrope_section is not None
             self.req_states = RequestState(
                 self.max_num_reqs,
                 self.max_model_len,
@@ -208,7 +206,15 @@ class ModelRunner:
                 self.model_config.seed + (self.replica << 32),
                 self.config.sampler_config,
                 self.vocab_size,
+                mrope_merge_size=vision.spatial_merge_size if vision is not None and self.uses_mrope else None,
             )
+            self.encoder_runner = None
+            if vision is not None:
+                compute_budget, cache_size = self.config.scheduler_config.encoder_budget(self.max_model_len)
+                self.max_image_embeds = min(compute_budget, cache_size, self.max_model_len)
+                self.encoder_runner = EncoderRunner(
+                    cache_size, self.model_arch.hidden_size, model.dtype, vision, self.replicated
+                )
             self.block_tables = BlockTables(self.max_num_reqs, self.max_blocks_per_req, self.block_size)
             self.drafter = self._load_drafter(draft_model, kv_dtype)
             self.device_state = self.fresh_device_state()
@@ -245,6 +251,7 @@ class ModelRunner:
             # Per-request state of the features, beside the slots and block tables.
             self.request_features: list[RequestFeatureState] = [self.prompt_logprobs]
             self.request_features += [] if self.lora is None else [self.lora]
+            self.request_features += [] if self.encoder_runner is None else [self.encoder_runner]
         logger.info("Model loaded in %.1f s", self.spans.seconds["load_model"])
 
     def fresh_device_state(self) -> DeviceState:
@@ -257,6 +264,7 @@ class ModelRunner:
             self.config.sampler_config,
             self.vocab_size,
             self.num_spec,
+            mrope=self.uses_mrope,
         )
         return dataclasses.replace(
             jax.jit(zeros, out_shardings=self.replicated)(),  # made in place on the mesh
@@ -305,6 +313,8 @@ class ModelRunner:
         return jax.device_put(scales, self.replicated)
 
     def _program_inputs(self, model: CausalLM) -> ProgramInputs:
+        encoder = self.encoder_runner
+        vision = self.model_arch.vision
         return ProgramInputs(
             params=abstract(self._param_leaves),
             draft_params=abstract(self._draft_leaves),
@@ -317,6 +327,10 @@ class ModelRunner:
             cache_sharding=self.kv_cache_sharding,
             replicated=self.replicated,
             lora_weights=abstract(self.lora_weights),
+            encoder_cache=None if encoder is None else abstract(encoder.cache),
+            patch_features=0 if vision is None else vision.patch_features,
+            max_image_patches=0 if encoder is None else self.max_image_embeds * encoder.merge_area,
+            merge_area=1 if encoder is None else encoder.merge_area,
         )
 
     def _built_for_mesh(self, module: _OnMesh) -> _OnMesh:
@@ -423,12 +437,15 @@ class ModelRunner:
         with self.spans("execute_model"):
             if self.kv_caches is None:
                 raise RuntimeError("initialize_kv_cache() must run before execute_model().")
-            refuse_unsupported(scheduler_output, lora_enabled=self.lora is not None)
+            refuse_unsupported(
+                scheduler_output, lora_enabled=self.lora is not None, multimodal=self.encoder_runner is not None
+            )
             self.finish_requests(scheduler_output)
             self.add_requests(scheduler_output)
             self.update_requests(scheduler_output)
             if scheduler_output.total_num_scheduled_tokens == 0:
                 return ModelRunnerOutput.make_empty()
+            self.execute_mm_encoder(scheduler_output)
             batch, step_buffer = self.prepare_inputs(scheduler_output)
             if batch.num_steps > 1:
                 self.execute_model_state = self.run_decode_round(batch, step_buffer)
@@ -485,7 +502,10 @@ class ModelRunner:
     # ------------------------------------------------------------ request state
 
     def finish_requests(self, scheduler_output: SchedulerOutput) -> None:
-        """Free the slots of the requests the scheduler finished or preempted."""
+        """Free the slots of the requests the scheduler finished or preempted, and the encoder outputs it dropped."""
+        if self.encoder_runner is not None:
+            for mm_hash in scheduler_output.free_encoder_mm_hashes:
+                self.encoder_runner.free_encoder_cache(mm_hash)
         done = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
         for req_id in done:
             slot = self.req_states.req_id_to_index.get(req_id)
@@ -560,7 +580,12 @@ class ModelRunner:
             shape = self.compilation.step_shapes[token_bucket]
             appends = self.block_tables.take_staged(shape.append_capacity)
             drafts, num_drafts = self._drafts(req_ids, scheduler_output.scheduled_spec_decode_tokens)
-            step_buffer = pack_step_buffer(shape, idx_mapping, num_scheduled, drafts, appends, self.max_num_reqs)
+            encoder_rows = None
+            if self.encoder_runner is not None and steps == 1:
+                encoder_rows = self.encoder_runner.gather_mm_embeddings(req_ids, num_scheduled, computed)
+            step_buffer = pack_step_buffer(
+                shape, idx_mapping, num_scheduled, drafts, appends, self.max_num_reqs, encoder_rows
+            )
             batch = InputBatch(
                 req_ids=req_ids,
                 idx_mapping_np=idx_mapping,
@@ -585,6 +610,21 @@ class ModelRunner:
             raise ValueError(f"A request carries more than num_speculative_tokens ({self.num_spec}) draft tokens.")
         return drafts, num_drafts
 
+    def execute_mm_encoder(self, scheduler_output: SchedulerOutput) -> None:
+        """Encode the images the step schedules into the encoder cache (vision-language models)."""
+        if self.encoder_runner is not None and scheduler_output.scheduled_encoder_inputs:
+            with self.spans("encoder"):
+                self.encoder_runner.execute_mm_encoder(
+                    scheduler_output.scheduled_encoder_inputs,
+                    self.compilation,
+                    lambda program, *args: self._call(program, self._param_leaves, *args),
+                )
+
+    @property
+    def encoder_cache(self) -> jax.Array | None:
+        """The encoder outputs the forward programs read (None: a text model)."""
+        return None if self.encoder_runner is None else self.encoder_runner.cache
+
     def run_forward(self, batch: InputBatch, step_buffer: np.ndarray) -> _Dispatched:
         """Dispatch the forward program of the batch's token bucket."""
         program = self.compilation.forward.get(batch.num_tokens_after_padding)
@@ -597,6 +637,7 @@ class ModelRunner:
             self.device_state,
             step_buffer,
             self.lora_weights,
+            self.encoder_cache,
         )
         return _Dispatched(batch, sample_hidden, rows, hidden)
 
@@ -612,6 +653,7 @@ class ModelRunner:
             self.device_state,
             step_buffer,
             self.lora_weights,
+            self.encoder_cache,
         )
         return _Dispatched(batch, tokens=tokens)
 

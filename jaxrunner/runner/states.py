@@ -20,6 +20,7 @@ from jaxtyping import Array, Int
 
 from jaxrunner.config import SamplerConfig
 from jaxrunner.interfaces import NewRequestData
+from jaxrunner.runner.mrope import prefill_mrope_positions
 from jaxrunner.runner.packed_rows import RowLayout
 from jaxrunner.runner.spec_decode.ngram import NO_DRAFT
 from jaxrunner.sample.sampling_state import (
@@ -30,13 +31,18 @@ from jaxrunner.sample.sampling_state import (
 )
 
 
-def new_request_layout(max_model_len: int, max_blocks: int, config: SamplerConfig, vocab_size: int) -> RowLayout:
-    """The packed row of one new request: counts, its LoRA slot, sampling fields, block ids, tokens."""
+def new_request_layout(
+    max_model_len: int, max_blocks: int, config: SamplerConfig, vocab_size: int, mrope: bool = False
+) -> RowLayout:
+    """The packed row of one new request: counts, its LoRA slot, sampling fields, block ids, tokens, and
+    with ``mrope`` its M-RoPE prefill positions and delta (``jaxrunner.runner.mrope``)."""
+    mrope_fields = (("mrope_positions", 3 * max_model_len, "i32"), ("mrope_delta", 1, "i32")) if mrope else ()
     return RowLayout(
         (("slot", 1, "i32"), ("prefill_len", 1, "i32"), ("num_computed", 1, "i32"), ("prompt_len", 1, "i32"))
         + (("lora_slot", 1, "i32"),)
         + sampling_fields(config, vocab_size)
         + (("block_ids", max_blocks, "i32"), ("tokens", max_model_len, "i32"))
+        + mrope_fields
     )
 
 
@@ -67,6 +73,9 @@ class DeviceState:
     # pending ones the first writes set (``calculate_kv_scales``); they override the parameters' copies.
     kv_scales: nnx.State = dataclasses.field(default_factory=lambda: nnx.State({}))
     draft_kv_scales: nnx.State = dataclasses.field(default_factory=lambda: nnx.State({}))
+    # M-RoPE models only (``jaxrunner.runner.mrope``): each request's prefill positions and decode delta.
+    mrope_positions: Int[Array, "max_reqs 3 max_model_len"] | None = None
+    mrope_delta: Int[Array, " max_reqs"] | None = None
 
     @classmethod
     def zeros(
@@ -77,8 +86,9 @@ class DeviceState:
         config: SamplerConfig,
         vocab_size: int,
         num_spec: int = 0,
+        mrope: bool = False,
     ) -> DeviceState:
-        """State for ``max_num_reqs`` slots, all unused."""
+        """State for ``max_num_reqs`` slots, all unused (with ``mrope``, M-RoPE's positions too)."""
         return cls(
             token_ids=jnp.zeros((max_num_reqs, max_model_len), jnp.int32),
             prefill_len=jnp.zeros(max_num_reqs, jnp.int32),
@@ -88,6 +98,8 @@ class DeviceState:
             sampling=SamplingArrays.zeros(max_num_reqs, config, vocab_size),
             draft_tokens=jnp.full((max_num_reqs, num_spec), NO_DRAFT, jnp.int32),
             lora_slots=jnp.full(max_num_reqs, NO_LORA, jnp.int32),
+            mrope_positions=jnp.zeros((max_num_reqs, 3, max_model_len), jnp.int32) if mrope else None,
+            mrope_delta=jnp.zeros(max_num_reqs, jnp.int32) if mrope else None,
         )
 
 
@@ -98,6 +110,10 @@ def write_new_requests(state: DeviceState, rows: Int[Array, "n row_words"], layo
     slots = jnp.where(fields["slot"][:, 0] < 0, max_num_reqs, fields["slot"][:, 0])
     tokens, prefill_len = fields["tokens"], fields["prefill_len"][:, 0]
     set_rows = lambda old, new: old.at[slots].set(new, mode="drop")
+    mrope_positions, mrope_delta = state.mrope_positions, state.mrope_delta
+    if mrope_positions is not None and mrope_delta is not None:
+        mrope_positions = set_rows(mrope_positions, fields["mrope_positions"].reshape(-1, *mrope_positions.shape[1:]))
+        mrope_delta = set_rows(mrope_delta, fields["mrope_delta"][:, 0])
     return DeviceState(
         token_ids=set_rows(state.token_ids, tokens),
         prefill_len=set_rows(state.prefill_len, prefill_len),
@@ -109,6 +125,8 @@ def write_new_requests(state: DeviceState, rows: Int[Array, "n row_words"], layo
         lora_slots=set_rows(state.lora_slots, fields["lora_slot"][:, 0]),
         kv_scales=state.kv_scales,
         draft_kv_scales=state.draft_kv_scales,
+        mrope_positions=mrope_positions,
+        mrope_delta=mrope_delta,
     )
 
 
@@ -123,13 +141,18 @@ class RequestState:
         seed: int,
         sampler_config: SamplerConfig,
         vocab_size: int,
+        mrope_merge_size: int | None = None,
     ):
+        """``mrope_merge_size``: the vision tower's spatial merge size of an M-RoPE model (None: plain RoPE)."""
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_blocks = max_blocks
         self.sampler_config = sampler_config
         self.vocab_size = vocab_size
-        self.layout = new_request_layout(max_model_len, max_blocks, sampler_config, vocab_size)
+        self.mrope_merge_size = mrope_merge_size
+        self.layout = new_request_layout(
+            max_model_len, max_blocks, sampler_config, vocab_size, mrope=mrope_merge_size is not None
+        )
         self.req_id_to_index: dict[str, int] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
         self.prefill_len = np.zeros(max_num_reqs, np.int32)
@@ -177,6 +200,11 @@ class RequestState:
         self.num_computed_tokens[slot] = new_req.num_computed_tokens
         self.num_logprobs[slot] = sampling["num_logprobs"]
         self.plain_sampling[slot] = not uses_sampling_stages(sampling)
+        mrope = {}
+        if self.mrope_merge_size is not None:
+            positions, delta = prefill_mrope_positions(new_req, self.mrope_merge_size)
+            mrope = dict(mrope_positions=np.pad(positions, ((0, 0), (0, self.max_model_len - positions.shape[1]))))
+            mrope["mrope_delta"] = delta
         self._staged_rows.append(
             self.layout.pack(
                 dict(
@@ -188,6 +216,7 @@ class RequestState:
                     block_ids=block_ids,
                     tokens=tokens,
                     **sampling,
+                    **mrope,
                 )
             )
         )

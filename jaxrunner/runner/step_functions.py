@@ -22,6 +22,7 @@ from jaxrunner.config import SamplerConfig
 from jaxrunner.models import CausalLM
 from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.lora import LoRABatch, LoRAWeights
+from jaxrunner.models.qwen2_vl import VisionLanguageLM
 from jaxrunner.models.transformer import KVScale
 from jaxrunner.ops import AttentionBackend
 from jaxrunner.runner.input_batch import SampleRows, StepShape, build_step_inputs, post_update
@@ -86,6 +87,7 @@ def forward(
     state: DeviceState,
     step_buffer: Int[Array, " buffer_words"],
     lora_weights: LoRAWeights | None,
+    encoder_cache: Float[Array, "encoder_cache_size hidden_size"] | None,
     *,
     shape: StepShape,
 ) -> tuple[
@@ -98,14 +100,19 @@ def forward(
 ]:
     """The step's inputs from its buffer, the model (and the drafter's pass), and the hidden rows to sample.
 
-    With ``lora_weights`` (the LoRA slots; None: LoRA off) each token adds its request's adapter.
+    With ``lora_weights`` (the LoRA slots; None: LoRA off) each token adds its request's adapter; with
+    ``encoder_cache`` (a vision-language model's encoder outputs) each image placeholder takes its row.
     """
     model = statics.model(param_leaves, state.kv_scales)
-    state, input_ids, positions, metadata, rows, row_index, token_lora_slots = build_step_inputs(
-        state, step_buffer, shape, statics.block_size
+    state, inputs = build_step_inputs(state, step_buffer, shape, statics.block_size)
+    input_ids, positions, metadata, rows = inputs.input_ids, inputs.positions, inputs.metadata, inputs.rows
+    lora = None if lora_weights is None else LoRABatch(lora_weights, inputs.token_lora_slots)
+    embeds = None
+    if encoder_cache is not None and inputs.encoder_rows is not None:
+        embeds = embed_with_encoder_outputs(model, input_ids, encoder_cache, inputs.encoder_rows)
+    hidden, kv_caches = model(
+        input_ids, inputs.model_positions, kv_caches, metadata, statics.attention_backend, lora, inputs_embeds=embeds
     )
-    lora = None if lora_weights is None else LoRABatch(lora_weights, token_lora_slots)
-    hidden, kv_caches = model(input_ids, positions, kv_caches, metadata, statics.attention_backend, lora)
     state = dataclasses.replace(state, kv_scales=nnx.state(model, KVScale))
     if statics.drafter is not None:
         drafter = statics.draft_module(draft_leaves, state.draft_kv_scales)
@@ -113,7 +120,7 @@ def forward(
             drafter, draft_kv, model, input_ids, positions, metadata, hidden, statics.attention_backend
         )
         state = dataclasses.replace(state, draft_kv_scales=nnx.state(drafter, KVScale))
-    sample_hidden = hidden[row_index]  # [requests, 1 + drafts, hidden]
+    sample_hidden = hidden[inputs.row_index]  # [requests, 1 + drafts, hidden]
     pad = statics.max_num_reqs - shape.num_reqs
     sample_hidden = jnp.pad(sample_hidden, ((0, pad), (0, 0), (0, 0)))
     return kv_caches, draft_kv, state, sample_hidden, rows, hidden
@@ -253,6 +260,7 @@ def decode_steps(
     state: DeviceState,
     step_buffer: Int[Array, " buffer_words"],
     lora_weights: LoRAWeights | None,
+    encoder_cache: Float[Array, "encoder_cache_size hidden_size"] | None,
     *,
     shape: StepShape,
     num_rows: int,
@@ -269,7 +277,16 @@ def decode_steps(
     tokens = []
     for _ in range(num_steps):
         kv_caches, draft_kv, state, sample_hidden, rows, _ = forward(
-            statics, param_leaves, draft_leaves, kv_caches, draft_kv, state, step_buffer, lora_weights, shape=shape
+            statics,
+            param_leaves,
+            draft_leaves,
+            kv_caches,
+            draft_kv,
+            state,
+            step_buffer,
+            lora_weights,
+            encoder_cache,
+            shape=shape,
         )
         draft_kv, state, step_tokens, _ = sample_step(  # the plain path takes no grammar
             statics,
@@ -321,6 +338,36 @@ def _propose_on_device(
         draft_tokens=state.draft_tokens.at[idx].set(drafts, mode="drop"),
         draft_kv_scales=nnx.state(drafter, KVScale),
     )
+
+
+def embed_with_encoder_outputs(
+    model: CausalLM,
+    input_ids: Int[Array, " num_tokens"],
+    encoder_cache: Float[Array, "encoder_cache_size hidden_size"],
+    encoder_rows: Int[Array, " num_tokens"],
+) -> Float[Array, "num_tokens hidden_size"]:
+    """The step's input embeddings: each image placeholder's encoder output (its row of the encoder
+    cache), every other token's embedding."""
+    from_encoder = encoder_cache.at[encoder_rows].get(mode="fill", fill_value=0)
+    return jnp.where((encoder_rows >= 0)[:, None], from_encoder, model.model.embed_tokens(input_ids))
+
+
+def encode_image(
+    statics: StepStatics,
+    param_leaves: ParamLeaves,
+    encoder_cache: Float[Array, "encoder_cache_size hidden_size"],
+    patches: Float[Array, "num_patches patch_features"],
+    patch_positions: Int[Array, "num_patches 2"],
+    frames: Int[Array, " num_patches"],
+    windows: Int[Array, " num_patches"],
+    cache_rows: Int[Array, " num_merged"],
+) -> Float[Array, "encoder_cache_size hidden_size"]:
+    """The vision encoder over one image's patches (padded to the bucket: padding is a frame of its own),
+    its merged tokens written to ``cache_rows`` of the encoder cache (rows past the cache: dropped)."""
+    model = statics.model(param_leaves)
+    assert isinstance(model, VisionLanguageLM), "only a vision-language model encodes images"
+    embeds = model.embed_vision(patches, patch_positions, frames, windows)
+    return encoder_cache.at[cache_rows].set(embeds.astype(encoder_cache.dtype), mode="drop")
 
 
 def prompt_logprobs(

@@ -11,7 +11,8 @@ afresh (no slot keeps the drafts or the counts of the step cut short),
 keeping the KV cache scales computed so far. The LoRA slots' weights are
 never donated, so they survive: as every request leaves, every slot becomes
 unused and keeps its adapter. The engine, which aborted every request,
-forgets the KV cache's contents (its prefix cache) along with them.
+forgets the KV cache's contents (its prefix cache) along with them, and the
+encoder cache's (re-created if it was lost).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def reset_runner(runner: ModelRunner) -> None:
             feature.remove_request(req_id)
     runner.req_states.reset()
     runner.block_tables.reset()
+    if runner.encoder_runner is not None:
+        runner.encoder_runner.reset(lost=_lost(runner.encoder_runner.cache))
     if _lost(runner.kv_caches):
         runner.kv_caches = allocate_kv_caches(runner.kv_cache_spec, runner.num_blocks, runner.kv_cache_sharding)
     if runner.drafter is not None and _lost(runner.draft_kv_caches):
