@@ -105,9 +105,7 @@ def hf_inputs(token_ids: list[int], images: list[Image.Image]) -> dict[str, torc
     else:
         ids = list(token_ids)
     types = [1 if t == IMAGE_PAD else 0 for t in ids]
-    return dict(
-        input_ids=torch.tensor([ids]), mm_token_type_ids=torch.tensor([types], dtype=torch.int32), **kwargs
-    )
+    return dict(input_ids=torch.tensor([ids]), mm_token_type_ids=torch.tensor([types], dtype=torch.int32), **kwargs)
 
 
 def hf_greedy(model: Any, token_ids: list[int], images: list[Image.Image], max_tokens: int) -> list[int]:

@@ -71,7 +71,9 @@ class InputProcessor:
             )
         return prompt.token_ids
 
-    def process_multimodal(self, prompt: ParsedPrompt, token_ids: list[int]) -> tuple[list[int], list[MultiModalFeatureSpec]]:
+    def process_multimodal(
+        self, prompt: ParsedPrompt, token_ids: list[int]
+    ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
         """The token ids with the prompt's image placeholders expanded, and its images' features; ValueError
         if the images cannot be read, are too many or too large, or the model takes none."""
         if not prompt.multi_modal_data:

@@ -6,9 +6,10 @@ order. A FULL block is also registered under a hash chained with its parent's,
 so a later request whose prompt starts with the same tokens can reuse the KV
 instead of recomputing it. A request's ``extra_key`` (its LoRA adapter's name,
 as vLLM's extra hash keys) seeds its chain: requests of different keys never
-share a block, requests of the same key do. The token ids hashed may carry an image's content hash in
-place of its first placeholder token (``Request.block_hash_ids``): images are part of the KV they make. Freed blocks keep their hash until the free queue
-hands them out again, which is the eviction. Every call touches only the blocks
+share a block, requests of the same key do. The ids hashed may carry an image's
+content hash in place of its first placeholder token (``Request.block_hash_ids``):
+images are part of the KV they make. Freed blocks keep their hash until the free
+queue hands them out again, which is the eviction. Every call touches only the blocks
 it takes, frees or hashes; nothing scans the pool (except reset_prefix_cache,
 which walks the cached blocks once).
 """

@@ -25,7 +25,6 @@ from jaxrunner.engine.ngram_proposer import NgramProposer
 from jaxrunner.engine.output_processor import OutputProcessor, refused_output
 from jaxrunner.engine.outputs import RequestOutput
 from jaxrunner.engine.prompts import ParsedPrompt, PromptType, parse_prompt
-from jaxrunner.multimodal.processing import MultiModalProcessor
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.engine.structured_outputs import StructuredOutputManager
 from jaxrunner.interfaces import (
@@ -36,6 +35,7 @@ from jaxrunner.interfaces import (
     SchedulerOutput,
 )
 from jaxrunner.lora.request import LoRARequest
+from jaxrunner.multimodal.processing import MultiModalProcessor
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.runner.step_recovery import reset_runner
 

@@ -23,8 +23,8 @@ import numpy as np
 
 from jaxrunner.config import RunnerConfig
 from jaxrunner.interfaces import NewRequestData
-from jaxrunner.models.transformer import TransformerConfig
 from jaxrunner.models.qwen2_vl_vision import VisionConfig, frame_ids, patch_positions, window_ids
+from jaxrunner.models.transformer import TransformerConfig
 from jaxrunner.multimodal.inputs import MultiModalFeatureSpec
 from jaxrunner.runner.compilation import CompilationManager
 from jaxrunner.runner.input_batch import NO_ENCODER_ROW
@@ -122,7 +122,9 @@ class EncoderRunner:
         bucket = compilation.patch_bucket(feature.data.num_patches)
         grid = [feature.data.grid_thw]
         pad = bucket - feature.data.num_patches
-        pad_int = lambda a, value: np.pad(a.astype(np.int32), [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=value)
+        pad_int = lambda a, value: np.pad(
+            a.astype(np.int32), [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=value
+        )
         self.cache = call(
             compilation.encode_image.get(bucket),
             self.cache,
@@ -158,6 +160,8 @@ class EncoderRunner:
                     )
                 if encoder_rows is None:
                     encoder_rows = np.full(int(num_scheduled.sum()), NO_ENCODER_ROW, np.int32)
-                encoder_rows[start + lo - computed : start + hi - computed] = rows[lo - position.offset : hi - position.offset]
+                encoder_rows[start + lo - computed : start + hi - computed] = rows[
+                    lo - position.offset : hi - position.offset
+                ]
             start += n
         return encoder_rows

@@ -24,9 +24,7 @@ def prefill_mrope_positions(
     """The request's prefill positions (its prompt's, then ``position + delta`` for outputs it resumes
     with) and its ``delta``."""
     assert new_req.prefill_token_ids is not None
-    spans = [
-        VisionSpan(f.mm_position.offset, f.mm_position.length, f.data.grid_thw) for f in new_req.mm_features
-    ]
+    spans = [VisionSpan(f.mm_position.offset, f.mm_position.length, f.data.grid_thw) for f in new_req.mm_features]
     num_prompt = len(new_req.prompt_token_ids)
     positions, delta = span_positions(num_prompt, spans, spatial_merge_size)
     resumed = np.arange(num_prompt, len(new_req.prefill_token_ids)) + delta
