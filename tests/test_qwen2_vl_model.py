@@ -13,7 +13,6 @@ from flax import nnx
 from packed_batch import packed_metadata
 from test_model_parity import BLOCK_SIZE, NUM_BLOCKS, pack, random_caches, rel_err
 
-from jaxrunner import LLM
 from jaxrunner.models import load_model
 from jaxrunner.models.mrope import IMAGE, TEXT, prompt_positions
 from jaxrunner.models.qwen2_vl import VisionLanguageLM
@@ -127,10 +126,3 @@ def test_prompt_logits_match_transformers(family, tmp_path):
             i,
             rel_err(logits[starts[i] : starts[i + 1]], ref),
         )
-
-
-def test_engine_refuses_a_vision_language_model(tmp_path):
-    """The runner has no encoder program or M-RoPE positions yet: serving such a model is refused, clearly."""
-    save_tiny_vl("qwen2_vl", tmp_path)
-    with pytest.raises(NotImplementedError, match="vision-language model .* not supported yet"):
-        LLM(str(tmp_path), skip_tokenizer_init=True, max_model_len=64)

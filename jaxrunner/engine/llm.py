@@ -32,7 +32,8 @@ from jaxrunner.engine.input_processor import PreparedPrompt
 from jaxrunner.engine.kv_cache_manager import KVCacheManager
 from jaxrunner.engine.llm_engine import LLMEngine
 from jaxrunner.engine.outputs import RequestOutput
-from jaxrunner.engine.prompts import ParsedPrompt, PromptType, as_prompt_list, parse_prompt
+from jaxrunner.engine.chat import chat_messages
+from jaxrunner.engine.prompts import ParsedPrompt, PromptType, TokensPrompt, as_prompt_list, parse_prompt
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.interfaces import RequestOutputKind, SamplingParams
 from jaxrunner.lora.request import LoRARequest
@@ -314,14 +315,21 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, rendered by the tokenizer's chat template; ``lora_request``
-        as ``generate``'s, one per conversation if a list."""
+        as ``generate``'s, one per conversation if a list.
+
+        A message's content is text or, as in OpenAI's API, a list of parts: ``{"type": "text", "text":
+        ...}``, and for a vision-language model images as ``{"type": "image_url", "image_url": {"url":
+        ...}}`` (a local path, ``file://`` or ``data:`` URL) or ``{"type": "image_pil", "image_pil":
+        image}``. The template renders each image as the model's placeholder, and the images go with the
+        prompt as its ``multi_modal_data``.
+        """
         if self.tokenizer is None:
             raise ValueError(
                 "LLM.chat renders conversations with the tokenizer's chat template, and this LLM has no "
@@ -329,17 +337,21 @@ class LLM:
             )
         # One conversation (a list of messages) or several; a dict first element does not narrow the type.
         if messages and isinstance(messages[0], dict):
-            conversations = [cast(list[dict[str, str]], messages)]
+            conversations = [cast(list[dict], messages)]
         else:
-            conversations = cast(list[list[dict[str, str]]], messages)
-        encoded = [
-            self.tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=add_generation_prompt)
-            for c in conversations
-        ]
-        # tokenize=True: token ids, in a BatchEncoding (a Mapping) where the tokenizer returns a dict.
-        prompts: list[PromptType] = [
-            list(p["input_ids"]) if isinstance(p, Mapping) else cast(list[int], list(p)) for p in encoded
-        ]
+            conversations = cast(list[list[dict]], messages)
+        prompts: list[PromptType] = []
+        for i, conversation in enumerate(conversations):
+            rendered, images = chat_messages(conversation, f"conversation {i}")
+            encoded = self.tokenizer.apply_chat_template(
+                rendered, tokenize=True, add_generation_prompt=add_generation_prompt
+            )
+            # tokenize=True: token ids, in a BatchEncoding (a Mapping) where the tokenizer returns a dict.
+            ids = list(encoded["input_ids"]) if isinstance(encoded, Mapping) else cast(list[int], list(encoded))
+            prompt: TokensPrompt = {"prompt_token_ids": ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ------------------------------------------------------------ requests
