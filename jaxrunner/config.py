@@ -293,6 +293,9 @@ class CompilationConfig:
 
     token_buckets: list[int] | None = None
     request_buckets: list[int] | None = None
+    # A vision-language model's image encoder: patch counts it compiles for (None: two a octave from 64 up
+    # to the largest image; each a multiple of the patches merged into one token).
+    patch_buckets: list[int] | None = None
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
     compiler_options: dict[str, str | bool | int] | None = None
 
@@ -303,7 +306,7 @@ class CompilationConfig:
         return dict(CUBLAS_GEMMS) if num_rows >= CUBLAS_MIN_ROWS else {}
 
     def __post_init__(self) -> None:
-        for name in ("token_buckets", "request_buckets"):
+        for name in ("token_buckets", "request_buckets", "patch_buckets"):
             ladder = getattr(self, name)
             if ladder is not None and (not ladder or any(b < 1 for b in ladder)):
                 raise ValueError(f"CompilationConfig.{name} must be a non-empty list of positive sizes; got {ladder}.")
@@ -312,9 +315,14 @@ class CompilationConfig:
 @dataclasses.dataclass
 class MultiModalConfig:
     """Multimodal inputs (vLLM's ``MultiModalConfig``): ``limit_per_prompt`` caps the items of each modality
-    one prompt may carry (``{"image": 4}``); a modality it does not name takes 999, as vLLM's V1."""
+    one prompt may carry (``{"image": 4}``); a modality it does not name takes 999, as vLLM's V1.
+    ``mm_processor_kwargs`` override the checkpoint's image processor settings (``{"max_pixels": ...}``).
+    ``max_tokens_per_image`` is the most placeholder tokens the processor makes of one image (set from it
+    when the engine starts; it tops the encoder's patch buckets)."""
 
     limit_per_prompt: dict[str, int] = dataclasses.field(default_factory=dict)
+    mm_processor_kwargs: dict[str, object] = dataclasses.field(default_factory=dict)
+    max_tokens_per_image: int | None = None
 
     DEFAULT_LIMIT = 999
 

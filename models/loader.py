@@ -82,6 +82,15 @@ def load_model(
     return model, config
 
 
+def load_config(model_dir: str | PathLike) -> TransformerConfig:
+    """The model configuration of a local HF model directory's ``config.json`` (no weights read)."""
+    model_dir = Path(model_dir)
+    hf_config = read_hf_config(model_dir)
+    with _naming(model_dir / CONFIG_FILE):
+        model_class(hf_config)  # an architecture we serve
+        return TransformerConfig.from_hf(hf_config)
+
+
 def load_eagle_head(model_dir: str | PathLike, *, dtype="float32", mesh: Mesh | None = None) -> EagleHead:
     """An EAGLE draft head from a local checkpoint (``config.json`` of its decoder layers, safetensors)."""
     model_dir = Path(model_dir)

@@ -38,6 +38,7 @@ from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.interfaces import RequestOutputKind, SamplingParams
 from jaxrunner.lora.request import LoRARequest
 from jaxrunner.models.builtin import DEFAULT_DTYPES, check_model_name, is_builtin
+from jaxrunner.models.loader import load_config
 from jaxrunner.models.safetensors_io import CONFIG_FILE, read_json_object
 from jaxrunner.models.tokenizer import build_byte_tokenizer, load_tokenizer
 from jaxrunner.multimodal.processing import MultiModalProcessor
@@ -107,6 +108,17 @@ class LLM:
     ``max_loras``). An adapter that cannot be read or does not fit the model is
     refused for its prompts alone, with an error output naming it.
 
+    A vision-language checkpoint (Qwen2-VL, Qwen2.5-VL) takes images, as vLLM's:
+    ``{"prompt": text, "multi_modal_data": {"image": image_or_list}}`` with one
+    ``<|vision_start|><|image_pad|><|vision_end|>`` in the text per image, or image
+    parts in ``chat``. Images are PIL images, uint8 arrays, local paths or
+    ``file://`` / ``data:`` URLs, preprocessed by the checkpoint's image processor
+    (``mm_processor_kwargs`` overrides its settings, e.g. ``{"max_pixels": ...}``);
+    ``limit_mm_per_prompt`` caps the images of one prompt (``{"image": 4}``; 999
+    unless set); ``patch_buckets`` are the patch counts the image encoder compiles
+    for (None: two a octave up to the largest image the processor makes). An image
+    that cannot be read, is too large or too many is refused for its prompt alone.
+
     A prompt is text, token ids (Python or NumPy integers, or a 1-D integer
     array) or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict (``jaxrunner.inputs``);
     a call takes one prompt or a list of them. A prompt of the wrong form fails
@@ -162,6 +174,8 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
+        mm_processor_kwargs: dict[str, object] | None = None,
+        patch_buckets: list[int] | None = None,
     ):
         check_model_name(model)  # before anything is built: a misspelled name or a hub id gets the built-in names
         on_cpu = jax.default_backend() == "cpu"
@@ -190,7 +204,10 @@ class LLM:
         if not skip_tokenizer_init:
             self.tokenizer = build_byte_tokenizer() if is_builtin(model) else load_tokenizer(model)
         compilation = CompilationConfig(
-            token_buckets=token_buckets, request_buckets=request_buckets, compiler_options=compiler_options
+            token_buckets=token_buckets,
+            request_buckets=request_buckets,
+            patch_buckets=patch_buckets,
+            compiler_options=compiler_options,
         )
         if compilation_cache_dir is not None:
             compilation.cache_dir = compilation_cache_dir
@@ -212,10 +229,16 @@ class LLM:
                 SpeculativeConfig(**speculative_config) if isinstance(speculative_config, dict) else speculative_config
             ),
             lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
-            multimodal_config=MultiModalConfig(dict(limit_mm_per_prompt or {})),
+            multimodal_config=MultiModalConfig(dict(limit_mm_per_prompt or {}), dict(mm_processor_kwargs or {})),
         )
         self.config = config
-        self.mm_processor: MultiModalProcessor | None = None  # a vision-language model's, made with the first engine
+        # A vision-language model's image processor, which bounds the images the runners compile for.
+        self.mm_processor: MultiModalProcessor | None = None
+        if not is_builtin(model):
+            arch = load_config(model)
+            if arch.vision is not None:
+                self.mm_processor = MultiModalProcessor.from_checkpoint(model, arch, config.multimodal_config)
+                config.multimodal_config.max_tokens_per_image = self.mm_processor.max_tokens_per_image
         self.replicas = DataParallelEngines([self._make_engine(mesh, i) for i, mesh in enumerate(meshes)])
         self.llm_engine = self.replicas.engines[0]
         self.kv_cache_manager = self.llm_engine.scheduler.kv_cache_manager
@@ -241,12 +264,6 @@ class LLM:
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
         encoder_cache, encoder_budget = None, 0
         if runner.encoder_runner is not None:
-            model_dir = config.model_config.model
-            assert model_dir is not None, "a vision-language model is loaded from its checkpoint directory"
-            if self.mm_processor is None:
-                self.mm_processor = MultiModalProcessor.from_checkpoint(
-                    model_dir, runner.model_arch, config.multimodal_config
-                )
             encoder_budget, cache_size = config.scheduler_config.encoder_budget(runner.max_model_len)
             encoder_cache = EncoderCacheManager(cache_size)
         scheduler = Scheduler(

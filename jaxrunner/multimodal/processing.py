@@ -104,15 +104,18 @@ class MultiModalProcessor:
         self.image_token_id = config.image_token_id
         self.merge_area = vision.spatial_merge_size**2
         self.mm_config = mm_config
+        pixels_per_token = (vision.patch_size * vision.spatial_merge_size) ** 2
+        self.max_tokens_per_image = int(image_processor.size["longest_edge"]) // pixels_per_token
 
     @classmethod
     def from_checkpoint(
         cls, model_dir: str | PathLike, config: TransformerConfig, mm_config: MultiModalConfig
     ) -> MultiModalProcessor:
-        """The processor of a checkpoint directory's ``preprocessor_config.json`` (transformers' PIL backend)."""
+        """The processor of a checkpoint directory's ``preprocessor_config.json`` (transformers' PIL backend),
+        with ``mm_config.mm_processor_kwargs`` applied."""
         try:
             image_processor = transformers.AutoImageProcessor.from_pretrained(
-                model_dir, backend="pil", local_files_only=True
+                model_dir, backend="pil", local_files_only=True, **mm_config.mm_processor_kwargs
             )
         except (OSError, ValueError) as error:
             raise FileNotFoundError(

@@ -323,9 +323,7 @@ class CompilationManager:
         self.prompt_logprobs = CompiledPrograms("prompt_logprobs", self._lower_prompt_logprobs, options)
         self.set_lora_slot = CompiledPrograms("set_lora_slot", lambda _: self._lower_set_lora_slot())
         self.encode_image = CompiledPrograms("encode_image", self._lower_encode_image)
-        self.patch_buckets = (
-            encoder_ladder(inputs.max_image_patches, inputs.merge_area) if inputs.encoder_cache is not None else []
-        )
+        self.patch_buckets = self._patch_ladder()
         # Outputs keep the inputs' layout: caches split on KV heads, everything else replicated.
         cache, whole = inputs.cache_sharding, inputs.replicated
         self._sample_jit = jax.jit(
@@ -334,6 +332,21 @@ class CompilationManager:
             donate_argnums=(2, 5),
             out_shardings=(cache, whole, whole, whole),
         )
+
+    def _patch_ladder(self) -> list[int]:
+        """The encoder's patch buckets (none for a text model): the configured ones, checked, or the default."""
+        inputs = self.inputs
+        if inputs.encoder_cache is None:
+            return []
+        if self.config.patch_buckets is None:
+            return encoder_ladder(inputs.max_image_patches, inputs.merge_area)
+        ladder = make_ladder(self.config.patch_buckets, inputs.max_image_patches, "patch_buckets")
+        if any(b % inputs.merge_area for b in ladder):
+            raise ValueError(
+                f"CompilationConfig.patch_buckets must be multiples of {inputs.merge_area} (the patches merged into "
+                f"one token); got {ladder}."
+            )
+        return ladder
 
     @property
     def programs(self) -> tuple[CompiledPrograms, ...]:

@@ -211,7 +211,8 @@ class ModelRunner:
             self.encoder_runner = None
             if vision is not None:
                 compute_budget, cache_size = self.config.scheduler_config.encoder_budget(self.max_model_len)
-                self.max_image_embeds = min(compute_budget, cache_size, self.max_model_len)
+                per_image = self.config.multimodal_config.max_tokens_per_image or self.max_model_len
+                self.max_image_embeds = min(compute_budget, cache_size, self.max_model_len, per_image)
                 self.encoder_runner = EncoderRunner(
                     cache_size, self.model_arch.hidden_size, model.dtype, vision, self.replicated
                 )
