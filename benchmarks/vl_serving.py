@@ -27,6 +27,7 @@ On a CPU, to check the script (a tiny model, small images):
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import subprocess
@@ -87,7 +88,6 @@ def write_checkpoint(shape: str, path: Path) -> None:
     """A random bf16 Qwen2.5-VL of ``shape``, its tokenizer and image processor, saved by transformers."""
     import torch
     import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from jaxrunner.models.tokenizer import build_byte_tokenizer
 
@@ -103,7 +103,7 @@ def write_checkpoint(shape: str, path: Path) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, torch_dtype=torch.bfloat16)
+        model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
     del model
     tokenizer = build_byte_tokenizer()
@@ -111,7 +111,7 @@ def write_checkpoint(shape: str, path: Path) -> None:
     assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == IMAGE_PAD
     tokenizer.save_pretrained(path)
     vision = spec["vision"]
-    Qwen2VLImageProcessorPil(
+    transformers.Qwen2VLImageProcessor(
         patch_size=vision["patch_size"], temporal_patch_size=2, merge_size=vision["spatial_merge_size"]
     ).save_pretrained(path)
 
@@ -211,13 +211,14 @@ def run_hf(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        args.checkpoint, torch_dtype=dtype, attn_implementation="sdpa"
+        args.checkpoint, dtype=dtype, attn_implementation="sdpa"
     ).to(device)
     model.eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.checkpoint)
     image_processor = transformers.AutoImageProcessor.from_pretrained(args.checkpoint)
     merge = model.config.vision_config.spatial_merge_size
     prompt_ids = tokenizer.encode(PROMPT)
+    takes_token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
 
     def inputs_of(batch: list[Image.Image]) -> dict:
         processed = image_processor(images=batch, return_tensors="pt")
@@ -226,13 +227,15 @@ def run_hf(args: argparse.Namespace) -> dict:
             count = grid[0] * grid[1] * grid[2] // merge**2
             rows.append([t for token in prompt_ids for t in ([token] * count if token == IMAGE_PAD else [token])])
         ids = torch.tensor(rows, device=device)
-        return dict(
+        inputs = dict(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            mm_token_type_ids=(ids == IMAGE_PAD).to(torch.int32),
             pixel_values=processed["pixel_values"].to(device, dtype),
             image_grid_thw=processed["image_grid_thw"].to(device),
         )
+        if takes_token_types:  # transformers' newer models read the image tokens from the token types
+            inputs["mm_token_type_ids"] = (ids == IMAGE_PAD).to(torch.int32)
+        return inputs
 
     def generate(batch: list[Image.Image], new_tokens: int) -> None:
         with torch.no_grad():

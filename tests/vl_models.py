@@ -13,7 +13,6 @@ import numpy as np
 import torch
 import transformers
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from jaxrunner.models.tokenizer import build_byte_tokenizer
 
@@ -75,9 +74,9 @@ def save_tiny_vl_checkpoint(family: str, path: str | PathLike, seed: int = 0) ->
     return model
 
 
-def image_processor() -> Qwen2VLImageProcessorPil:
+def image_processor() -> Any:
     """The tiny checkpoints' image processor: 4-pixel patches, images of 8x8 to 40x40 pixels."""
-    return Qwen2VLImageProcessorPil(
+    return transformers.Qwen2VLImageProcessor(
         patch_size=PATCH, temporal_patch_size=2, merge_size=MERGE, size={"shortest_edge": 64, "longest_edge": 1600}
     )
 

@@ -105,7 +105,11 @@ class MultiModalProcessor:
         self.merge_area = vision.spatial_merge_size**2
         self.mm_config = mm_config
         pixels_per_token = (vision.patch_size * vision.spatial_merge_size) ** 2
-        self.max_tokens_per_image = int(image_processor.size["longest_edge"]) // pixels_per_token
+        size = getattr(image_processor, "size", None) or {}
+        max_pixels = size.get("longest_edge") or getattr(image_processor, "max_pixels", None)
+        if max_pixels is None:
+            raise ValueError("The checkpoint's image processor names no largest image (size['longest_edge']).")
+        self.max_tokens_per_image = int(max_pixels) // pixels_per_token
 
     @classmethod
     def from_checkpoint(
