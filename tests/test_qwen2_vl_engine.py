@@ -39,7 +39,10 @@ def engine_state_is_clean(llm: LLM) -> None:
     encoder_cache = engine.scheduler.encoder_cache_manager
     assert encoder_cache is not None and encoder_cache.num_referenced_slots == 0
     runner_cache = engine.runner.encoder_runner
-    assert runner_cache is not None and runner_cache.num_cached_rows == encoder_cache.cache_size - encoder_cache.num_free_slots
+    assert (
+        runner_cache is not None
+        and runner_cache.num_cached_rows == encoder_cache.cache_size - encoder_cache.num_free_slots
+    )
     assert not runner_cache.req_features
 
 
@@ -102,7 +105,10 @@ def test_chat_with_image_parts_equals_the_rendered_prompt(checkpoint):
     image.save(buffer, format="PNG")
     data_url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
     by_url = [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "Hi"}]}
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": data_url}}, {"type": "text", "text": "Hi"}],
+        }
     ]
     by_pil = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "Hi"}]}]
     ids = llm.get_tokenizer().encode(chat_text(IMAGE_PROMPT, "Hi"), add_special_tokens=False)  # as the template
@@ -126,15 +132,24 @@ def test_bad_images_are_refused_alone(checkpoint, tmp_path):
         ({"prompt": chat_text(IMAGE_PROMPT), "multi_modal_data": {"image": str(not_an_image)}}, "cannot be read"),
         ({"prompt": chat_text(IMAGE_PROMPT), "multi_modal_data": {"image": 42}}, "an image must be a PIL image"),
         (
-            {"prompt": chat_text(IMAGE_PROMPT, IMAGE_PROMPT), "multi_modal_data": {"image": [random_image(16, 16, 1)] * 2}},
+            {
+                "prompt": chat_text(IMAGE_PROMPT, IMAGE_PROMPT),
+                "multi_modal_data": {"image": [random_image(16, 16, 1)] * 2},
+            },
             r"2 images, more than limit_mm_per_prompt allows \(1\)",
         ),
         (
             {"prompt": chat_text(IMAGE_PROMPT), "multi_modal_data": {"image": random_image(40, 40, 2)}},
             r"more than max_model_len \(40\)",
         ),
-        ({"prompt": chat_text("no placeholder"), "multi_modal_data": {"image": random_image(16, 16, 3)}}, "0 image placeholders"),
-        ({"prompt": chat_text(IMAGE_PROMPT), "multi_modal_data": {"video": [np.zeros((2, 8, 8, 3), np.uint8)]}}, "'video'"),
+        (
+            {"prompt": chat_text("no placeholder"), "multi_modal_data": {"image": random_image(16, 16, 3)}},
+            "0 image placeholders",
+        ),
+        (
+            {"prompt": chat_text(IMAGE_PROMPT), "multi_modal_data": {"video": [np.zeros((2, 8, 8, 3), np.uint8)]}},
+            "'video'",
+        ),
     ]
     outputs = llm.generate([good, *(prompt for prompt, _ in cases), good], GREEDY, use_tqdm=False)
     assert outputs[0].error is None and outputs[-1].error is None

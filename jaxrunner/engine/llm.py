@@ -26,13 +26,13 @@ from jaxrunner.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from jaxrunner.engine.chat import chat_messages
 from jaxrunner.engine.data_parallel import DataParallelEngines
 from jaxrunner.engine.encoder_cache_manager import EncoderCacheManager
 from jaxrunner.engine.input_processor import PreparedPrompt
 from jaxrunner.engine.kv_cache_manager import KVCacheManager
 from jaxrunner.engine.llm_engine import LLMEngine
 from jaxrunner.engine.outputs import RequestOutput
-from jaxrunner.engine.chat import chat_messages
 from jaxrunner.engine.prompts import ParsedPrompt, PromptType, TokensPrompt, as_prompt_list, parse_prompt
 from jaxrunner.engine.scheduler import Scheduler
 from jaxrunner.interfaces import RequestOutputKind, SamplingParams
