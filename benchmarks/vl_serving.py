@@ -297,13 +297,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--encoder-repeats", type=int, default=6)
     parser.add_argument("--hf-batch", type=int, help="requests per transformers generate (default: all)")
     parser.add_argument("--checkpoint", type=Path, help="where the random checkpoint is (written if absent)")
-    parser.add_argument("--part", choices=["both", "ours", "hf"], default="both")
+    parser.add_argument("--part", choices=["both", "ours", "hf", "checkpoint"], default="both")
     parser.add_argument("--out", default="vl_serving.json")
     return parser.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
+    if args.part == "checkpoint":
+        write_checkpoint(args.shape, args.checkpoint)
+        return
     if args.part != "both":
         assert args.checkpoint is not None
         result = run_ours(args) if args.part == "ours" else run_hf(args)
@@ -311,8 +314,9 @@ def main() -> None:
         return
     checkpoint = args.checkpoint or Path(tempfile.mkdtemp()) / f"random-{args.shape}"
     started = time.perf_counter()
-    if not (checkpoint / "config.json").exists():
-        write_checkpoint(args.shape, checkpoint)
+    if not (checkpoint / "config.json").exists():  # in a process of its own: torch keeps the GPU memory it used
+        part = [sys.executable, "-m", "benchmarks.vl_serving", *sys.argv[1:], "--part", "checkpoint"]
+        subprocess.run([*part, "--checkpoint", str(checkpoint)], check=True)
     result: dict[str, Any] = dict(
         args={k: str(v) for k, v in vars(args).items()}, checkpoint_s=time.perf_counter() - started
     )
