@@ -98,7 +98,6 @@ def write_checkpoint(shape: str, path: Path) -> None:
         image_token_id=IMAGE_PAD,
         video_token_id=VIDEO_PAD,
         vision_start_token_id=VISION_START,
-        eos_token_id=IM_END,
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
@@ -124,6 +123,7 @@ def run_ours(args: argparse.Namespace) -> dict:
 
     from benchmarks.harness import device_facts
     from jaxrunner import LLM, SamplingParams
+    from jaxrunner.inputs import PromptType
     from jaxrunner.models.qwen2_vl_vision import frame_ids, patch_positions, window_ids
 
     on_gpu = jax.default_backend() == "gpu"
@@ -139,16 +139,18 @@ def run_ours(args: argparse.Namespace) -> dict:
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     pictures = images(args.num_requests + 1, args.image_size)
-    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": image}} for image in pictures]
+    prompts: list[PromptType] = [{"prompt": PROMPT, "multi_modal_data": {"image": image}} for image in pictures]
     warm = llm.generate(prompts[-1:], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert warm[0].error is None, warm[0].error
     engine = llm.llm_engine
-    encoded_before = engine.runner.encoder_runner.num_encoded
+    encoder, vision = engine.runner.encoder_runner, engine.runner.model_arch.vision
+    assert encoder is not None and vision is not None, "a vision-language model"
+    encoded_before = encoder.num_encoded
     start = time.monotonic()
     outputs = llm.generate(prompts[:-1], params, use_tqdm=False)
     wall = time.monotonic() - start
     assert all(o.error is None for o in outputs), [o.error for o in outputs if o.error]
-    ttft = [o.metrics.first_token_time - start for o in outputs]
+    ttft = [o.metrics.first_token_time - start for o in outputs if o.metrics and o.metrics.first_token_time]
     prompt_len = len(outputs[0].prompt_token_ids)
 
     # The encoder alone: one image through its program, timed on the device.
@@ -161,22 +163,21 @@ def run_ours(args: argparse.Namespace) -> dict:
     program = compilation.encode_image.get(bucket)
     pad = bucket - patches.num_patches
     grid = [patches.grid_thw]
-    vision = engine.runner.model_arch.vision
     as_int = lambda a, fill: np.pad(a.astype(np.int32), [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
     inputs = (
         np.pad(patches.pixel_values, ((0, pad), (0, 0))),
         as_int(patch_positions(grid, vision.spatial_merge_size), 0),
         as_int(frame_ids(grid), -1),
         as_int(window_ids(grid, vision), -1),
-        np.full(bucket // vision.spatial_merge_size**2, engine.runner.encoder_runner.cache_size, np.int32),
+        np.full(bucket // vision.spatial_merge_size**2, encoder.cache_size, np.int32),
     )
-    cache = engine.runner.encoder_runner.cache
+    cache = encoder.cache
     times = []
     for _ in range(args.encoder_repeats):
         began = time.perf_counter()
         cache = jax.block_until_ready(program(engine.runner._param_leaves, cache, *inputs))
         times.append(time.perf_counter() - began)
-    engine.runner.encoder_runner.cache = cache
+    encoder.cache = cache
     encode_s = statistics.median(times[1:] or times)
     preprocess = []
     for image in pictures[:8]:
@@ -194,7 +195,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         ttft_mean_s=statistics.mean(ttft),
         ttft_median_s=statistics.median(ttft),
         ttft_max_s=max(ttft),
-        images_encoded=engine.runner.encoder_runner.num_encoded - encoded_before,
+        images_encoded=encoder.num_encoded - encoded_before,
         encode_one_image_s=encode_s,
         encoder_share=encode_s * args.num_requests / wall,
         preprocess_one_image_s=statistics.median(preprocess),
@@ -210,12 +211,12 @@ def run_hf(args: argparse.Namespace) -> dict:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+    model: Any = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         args.checkpoint, dtype=dtype, attn_implementation="sdpa"
-    ).to(device)
-    model.eval()
+    )
+    model = model.to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.checkpoint)
-    image_processor = transformers.AutoImageProcessor.from_pretrained(args.checkpoint)
+    image_processor: Any = transformers.AutoImageProcessor.from_pretrained(args.checkpoint)
     merge = model.config.vision_config.spatial_merge_size
     prompt_ids = tokenizer.encode(PROMPT)
     takes_token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from jaxrunner import envs
 
@@ -321,7 +322,7 @@ class MultiModalConfig:
     when the engine starts; it tops the encoder's patch buckets)."""
 
     limit_per_prompt: dict[str, int] = dataclasses.field(default_factory=dict)
-    mm_processor_kwargs: dict[str, object] = dataclasses.field(default_factory=dict)
+    mm_processor_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     max_tokens_per_image: int | None = None
 
     DEFAULT_LIMIT = 999

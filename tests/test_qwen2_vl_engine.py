@@ -11,6 +11,7 @@ import transformers
 from vl_models import IMAGE_PROMPT, hf_greedy, random_image, save_tiny_vl_checkpoint
 
 from jaxrunner import LLM, SamplingParams
+from jaxrunner.inputs import TextPrompt, TokensPrompt
 from jaxrunner.runner.compilation import CompileCounter
 
 MAX_TOKENS = 12
@@ -112,7 +113,7 @@ def test_chat_with_image_parts_equals_the_rendered_prompt(checkpoint):
     ]
     by_pil = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "Hi"}]}]
     ids = llm.get_tokenizer().encode(chat_text(IMAGE_PROMPT, "Hi"), add_special_tokens=False)  # as the template
-    rendered = {"prompt_token_ids": ids, "multi_modal_data": {"image": image}}
+    rendered = TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": image})
     expected = llm.generate(rendered, GREEDY, use_tqdm=False)[0]
     assert expected.error is None
     for conversation in (by_url, by_pil):

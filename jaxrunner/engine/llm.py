@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import transformers
@@ -174,7 +174,7 @@ class LLM:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
-        mm_processor_kwargs: dict[str, object] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
         patch_buckets: list[int] | None = None,
     ):
         check_model_name(model)  # before anything is built: a misspelled name or a hub id gets the built-in names

@@ -200,7 +200,7 @@ class RequestState:
         self.num_computed_tokens[slot] = new_req.num_computed_tokens
         self.num_logprobs[slot] = sampling["num_logprobs"]
         self.plain_sampling[slot] = not uses_sampling_stages(sampling)
-        mrope = {}
+        mrope: dict[str, object] = {}
         if self.mrope_merge_size is not None:
             positions, delta = prefill_mrope_positions(new_req, self.mrope_merge_size)
             mrope = dict(mrope_positions=np.pad(positions, ((0, 0), (0, self.max_model_len - positions.shape[1]))))
