@@ -123,34 +123,30 @@ def test_chat_with_image_parts_equals_the_rendered_prompt(checkpoint):
         assert output.outputs[0].token_ids == expected.outputs[0].token_ids
 
 
+def good_image():
+    return random_image(16, 16, 1)
+
+
 def test_bad_images_are_refused_alone(checkpoint, tmp_path):
     path, _ = checkpoint
     llm = make_llm(path, max_model_len=40, limit_mm_per_prompt={"image": 1})
     not_an_image = tmp_path / "notes.png"
     not_an_image.write_text("not a picture")
-    good = {"prompt": chat_text(IMAGE_PROMPT, "ok"), "multi_modal_data": {"image": random_image(16, 16, 0)}}
+    one = chat_text(IMAGE_PROMPT)
+    good = TextPrompt(prompt=chat_text(IMAGE_PROMPT, "ok"), multi_modal_data={"image": random_image(16, 16, 0)})
     cases = [
-        ({"prompt": chat_text(IMAGE_PROMPT), "multi_modal_data": {"image": str(not_an_image)}}, "cannot be read"),
-        ({"prompt": chat_text(IMAGE_PROMPT), "multi_modal_data": {"image": 42}}, "an image must be a PIL image"),
+        (TextPrompt(prompt=one, multi_modal_data={"image": str(not_an_image)}), "cannot be read"),
+        (TextPrompt(prompt=one, multi_modal_data={"image": 42}), "an image must be a PIL image"),
         (
-            {
-                "prompt": chat_text(IMAGE_PROMPT, IMAGE_PROMPT),
-                "multi_modal_data": {"image": [random_image(16, 16, 1)] * 2},
-            },
+            TextPrompt(prompt=chat_text(IMAGE_PROMPT, IMAGE_PROMPT), multi_modal_data={"image": [good_image()] * 2}),
             r"2 images, more than limit_mm_per_prompt allows \(1\)",
         ),
         (
-            {"prompt": chat_text(IMAGE_PROMPT), "multi_modal_data": {"image": random_image(40, 40, 2)}},
+            TextPrompt(prompt=one, multi_modal_data={"image": random_image(40, 40, 2)}),
             r"more than max_model_len \(40\)",
         ),
-        (
-            {"prompt": chat_text("no placeholder"), "multi_modal_data": {"image": random_image(16, 16, 3)}},
-            "0 image placeholders",
-        ),
-        (
-            {"prompt": chat_text(IMAGE_PROMPT), "multi_modal_data": {"video": [np.zeros((2, 8, 8, 3), np.uint8)]}},
-            "'video'",
-        ),
+        (TextPrompt(prompt=chat_text("words"), multi_modal_data={"image": good_image()}), "0 image placeholders"),
+        (TextPrompt(prompt=one, multi_modal_data={"video": [np.zeros((2, 8, 8, 3), np.uint8)]}), "'video'"),
     ]
     outputs = llm.generate([good, *(prompt for prompt, _ in cases), good], GREEDY, use_tqdm=False)
     assert outputs[0].error is None and outputs[-1].error is None
