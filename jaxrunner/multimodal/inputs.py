@@ -4,9 +4,6 @@ Each image of a prompt becomes a ``MultiModalFeatureSpec``: its preprocessed
 patches (what the vision encoder reads), the content hash that identifies it
 (the encoder cache's key and part of the prefix cache's block hashes), and the
 ``PlaceholderRange`` of prompt tokens its embeddings replace.
-
-Dimensions: P patches of the image, F features a patch (channels x temporal
-patch x patch x patch).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ class PlaceholderRange:
 class ImagePatches:
     """One image as the vision encoder reads it: its patches and its grid of patches (frames, rows, columns)."""
 
-    pixel_values: Float[np.ndarray, "P F"]
+    pixel_values: Float[np.ndarray, "num_patches patch_features"]
     grid_thw: tuple[int, int, int]
 
     @property
