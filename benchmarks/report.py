@@ -3,7 +3,7 @@
 ``results/latest/`` holds the newest recorded run of each measurement and
 ``sources.json``, which says for each file what it measures (``decode:BxC``,
 ``attention``, ``attention_fp8``, ``prefill``, ``throughput``, ``host_share``,
-``bound:bf16``, ``bound:fp8``, ``lora``, ...), where, when,
+``bound:bf16``, ``bound:fp8``, ``lora``, ``images``, ...), where, when,
 on which commit and with which command. For each figure the table takes the
 last file in ``sources.json`` that measures it, and gives the figure as a
 ratio to the floor or peer measured in the same run. To record a new run, copy
@@ -36,6 +36,7 @@ ATTENTION_PREFILL_CASES = [(1, 8192), (8, 2048)]
 THROUGHPUT_WORKLOAD = "256x1000/1000"
 BOUND_WORKLOAD = "1000x1000/1000"
 LORA_CASES = [(1, 1024), (64, 1024)]
+IMAGES_WORKLOAD = "64 requests x one 1024x1024 image, 128 output tokens"
 
 
 def load_sources(latest: Path = LATEST) -> list[dict]:
@@ -160,6 +161,18 @@ def fp8_over_bf16_figure(source: dict, bf16: dict | None) -> tuple[str, str]:
     )
 
 
+def images_figure(source: dict) -> tuple[str, str]:
+    """``vl_serving``'s output rate over transformers' on the same GPU, with both times to first token and
+    the image encoder's share of the call."""
+    ours, hf = source["data"]["ours"], source["data"]["hf"]
+    return (
+        f"{ours['output_tokens_per_s'] / hf['output_tokens_per_s']:.2f}x HF",
+        f"{ours['output_tokens_per_s']:,.0f} output tok/s against HF transformers' {hf['output_tokens_per_s']:,.0f}; "
+        f"mean time to first token {ours['ttft_mean_s']:.2f} s against {hf['ttft_s']:.2f} s; "
+        f"the image encoder {ours['encoder_share']:.0%} of the time",
+    )
+
+
 def host_share_figure(source: dict) -> tuple[str, str]:
     data = source["data"]
     return (
@@ -222,6 +235,11 @@ def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
             f"offline throughput {BOUND_WORKLOAD}, FP8 cache: output tok/s / bf16 cache's",
             "bound:fp8",
             lambda s: fp8_over_bf16_figure(s, newest(sources, "bound:bf16")),
+        ),
+        (
+            f"Qwen2.5-VL-7B shape, {IMAGES_WORKLOAD}: output tok/s / HF transformers'",
+            "images",
+            images_figure,
         ),
     ]
     rows = []

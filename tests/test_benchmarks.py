@@ -130,6 +130,20 @@ COMMANDS = {
         "{out}",
     ],
     "e2e": ["--model", "tiny-llama", "--parts", "a", "f", "--out-dir", "{out}"],
+    "vl_serving": [
+        "--shape",
+        "tiny",
+        "--num-requests",
+        "2",
+        "--image-size",
+        "56",
+        "--output-len",
+        "4",
+        "--encoder-repeats",
+        "2",
+        "--out",
+        "{out}",
+    ],
 }
 
 
@@ -252,6 +266,15 @@ def test_e2e_measures_floors_and_start_up_phases(runs):
     assert result["summary"]["errors"] == []
 
 
+def test_vl_serving_runs_both_sides_on_images(runs):
+    result = result_of(runs, "vl_serving")
+    ours, hf = result["ours"], result["hf"]
+    assert_stamped(ours)
+    assert ours["images_encoded"] == 2 and ours["image_tokens"] == 4 and 0 < ours["encoder_share"]
+    assert 0 < ours["ttft_mean_s"] <= ours["wall_s"] and 0 < hf["ttft_s"] and hf["batch_size"] == 2
+    assert result["ours_over_hf_output_tokens_per_s"] > 0
+
+
 def test_readme_table_is_the_one_latest_results_give():
     readme = report.README.read_text()
     assert report.with_table(readme, report.table(report.load_sources())) == readme
@@ -262,10 +285,11 @@ def test_table_has_every_figure_from_a_recorded_run():
     measured = {label for label, ratio, _, source in rows if source is not None}
     cases = report.DECODE_CASES + report.ATTENTION_DECODE_CASES + report.ATTENTION_FP8_DECODE_CASES
     cases += report.ATTENTION_PREFILL_CASES + report.LORA_CASES
-    assert len(rows) == len(cases) + 5  # + prefill, 3 benches, host share
-    # 256 x 4k fits no GPU in bf16; the 1000x1000/1000 runs have not completed on a GPU yet.
+    assert len(rows) == len(cases) + 6  # + prefill, 3 benches, host share, images
+    # 256 x 4k fits no GPU in bf16; the 1000x1000/1000 runs and the images run have not completed on a GPU yet.
     unmeasured = {
         "decode step / bandwidth floor, batch 256 x 4k",
+        f"Qwen2.5-VL-7B shape, {report.IMAGES_WORKLOAD}: output tok/s / HF transformers'",
         f"offline throughput {report.BOUND_WORKLOAD}, bf16 cache: output tok/s / bound",
         f"offline throughput {report.BOUND_WORKLOAD}, FP8 cache: output tok/s / bf16 cache's",
     }
