@@ -303,9 +303,9 @@ def test_an_exception_that_cuts_a_step_short(llm, reference, monkeypatch, where)
         (np.array([5.0, 6.0]), TypeError, r"prompts\[2\] is a NumPy array of float64"),
         ([5, "6"], TypeError, r"prompts\[2\]\[1\] is '6'"),
         (
-            {"prompt_token_ids": [5], "multi_modal_data": {}},
+            {"prompt_token_ids": [5], "multi_modal_uuids": {}},
             ValueError,
-            r"prompts\[2\] has keys \['multi_modal_data'\]",
+            r"prompts\[2\] has keys \['multi_modal_uuids'\]",
         ),
     ],
 )
