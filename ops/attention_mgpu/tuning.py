@@ -154,8 +154,9 @@ def choose_config(
     """The tuning table: static shapes -> launch parameters.
 
     Decode-like batches (at most 64 query rows per request) use one compute
-    warpgroup, 64-key stages in a ring of about 96 KiB (two programs can share an
-    SM) and in-place ``P V`` accumulation; KV splits by :func:`choose_splits`, over the
+    warpgroup, 64-key stages in a ring of about 96 KiB (sized for two programs a
+    SM, though at 153 registers a thread one program fills an SM's register file)
+    and in-place ``P V`` accumulation; KV splits by :func:`choose_splits`, over the
     stages of the longest possible request (the block table's width).
 
     Prefills use two compute warpgroups in ping-pong with the register split and
