@@ -339,6 +339,33 @@ class MultiModalConfig:
         return self.limit_per_prompt.get(modality, self.DEFAULT_LIMIT)
 
 
+KV_CONNECTORS = ("OffloadingConnector", "SharedStorageConnector", "NoOpConnector")
+"""The KV connectors ``KVTransferConfig.kv_connector`` may name: vLLM's two, and one whose hooks run and move
+nothing (what the connector's calls cost)."""
+
+
+@dataclasses.dataclass
+class KVTransferConfig:
+    """A KV connector (vLLM's ``KVTransferConfig``): which (one of :data:`KV_CONNECTORS`), its role
+    ("kv_both", "kv_producer" saves only, "kv_consumer" loads only) and its settings:
+    ``{"num_cpu_blocks": n}`` for the offloading connector's host pool, ``{"shared_storage_path": dir}``
+    for the shared-storage connector's directory."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(
+                f"KVTransferConfig.kv_connector {self.kv_connector!r} is not one of {', '.join(KV_CONNECTORS)}."
+            )
+        if self.kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ValueError(
+                f"KVTransferConfig.kv_role must be 'kv_both', 'kv_producer' or 'kv_consumer'; got {self.kv_role!r}."
+            )
+
+
 @dataclasses.dataclass
 class RunnerConfig:
     """Everything the model runner needs, as vLLM's ``VllmConfig`` bundles it."""
@@ -353,6 +380,8 @@ class RunnerConfig:
     lora_config: LoRAConfig | None = None
     """None: LoRA off, and a request with a ``lora_request`` is refused."""
     multimodal_config: MultiModalConfig = dataclasses.field(default_factory=MultiModalConfig)
+    kv_transfer_config: KVTransferConfig | None = None
+    """None: no KV connector (the no-op one)."""
 
     def __post_init__(self) -> None:
         steps = self.scheduler_config.num_scheduler_steps

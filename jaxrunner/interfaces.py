@@ -203,6 +203,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] | None = None
     free_encoder_mm_hashes: list[str] = dataclasses.field(default_factory=list)
     scheduled_encoder_inputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    kv_connector_metadata: Any = None
+    """The KV connector's copies for this step (``KVConnectorMetadata``); None: none."""
     num_decode_steps: int = 1
     """Decode steps run back to back in this round (multi-step scheduling): each request's
     ``num_scheduled_tokens`` is this many steps of one token, and it samples one token per step."""

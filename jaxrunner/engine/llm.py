@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from jaxrunner.config import (
     CacheConfig,
     CompilationConfig,
+    KVTransferConfig,
     LoRAConfig,
     ModelConfig,
     MultiModalConfig,
@@ -119,6 +120,16 @@ class LLM:
     for (None: two a octave up to the largest image the processor makes). An image
     that cannot be read, is too large or too many is refused for its prompt alone.
 
+    ``kv_transfer_config`` (a ``KVTransferConfig`` or its fields as a dict) connects
+    the KV cache to a store outside the device, as vLLM's: ``{"kv_connector":
+    "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": n}}``
+    keeps computed blocks in host memory and loads a prefix the device evicted
+    instead of computing it again; ``{"kv_connector": "SharedStorageConnector",
+    "kv_role": "kv_producer" | "kv_consumer", "kv_connector_extra_config":
+    {"shared_storage_path": dir}}`` hands prompts' KV from a prefill engine to a
+    decode engine through files. ``llm.llm_engine.runner.kv_connector.stats``
+    counts what moved and what failed (a failed load computes the tokens).
+
     A prompt is text, token ids (Python or NumPy integers, or a 1-D integer
     array) or vLLM's ``TextPrompt`` / ``TokensPrompt`` dict (``jaxrunner.inputs``);
     a call takes one prompt or a list of them. A prompt of the wrong form fails
@@ -176,6 +187,7 @@ class LLM:
         limit_mm_per_prompt: dict[str, int] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
         patch_buckets: list[int] | None = None,
+        kv_transfer_config: KVTransferConfig | dict | None = None,
     ):
         check_model_name(model)  # before anything is built: a misspelled name or a hub id gets the built-in names
         on_cpu = jax.default_backend() == "cpu"
@@ -230,6 +242,9 @@ class LLM:
             ),
             lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None,
             multimodal_config=MultiModalConfig(dict(limit_mm_per_prompt or {}), dict(mm_processor_kwargs or {})),
+            kv_transfer_config=(
+                KVTransferConfig(**kv_transfer_config) if isinstance(kv_transfer_config, dict) else kv_transfer_config
+            ),
         )
         self.config = config
         # A vision-language model's image processor, which bounds the images the runners compile for.
@@ -274,6 +289,7 @@ class LLM:
             max_loras,
             encoder_cache_manager=encoder_cache,
             encoder_compute_budget=encoder_budget,
+            kv_connector=runner.kv_connector if runner.uses_kv_connector else None,
         )
         return LLMEngine(runner, scheduler, self.tokenizer, self.mm_processor)
 

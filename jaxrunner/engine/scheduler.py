@@ -36,6 +36,7 @@ from jaxrunner.engine.encoder_cache_manager import EncoderCacheManager
 from jaxrunner.engine.kv_cache_manager import KVCacheManager
 from jaxrunner.engine.request import Request, RequestStatus
 from jaxrunner.interfaces import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from jaxrunner.runner.kv_connector.base import KVConnectorBase
 
 
 @dataclasses.dataclass
@@ -92,11 +93,14 @@ class Scheduler:
         max_loras: int | None = None,
         encoder_cache_manager: EncoderCacheManager | None = None,
         encoder_compute_budget: int = 0,
+        kv_connector: KVConnectorBase | None = None,
     ):
         self.config = config
         # Vision-language models: the encoder cache's bookkeeping and the embeddings a step may encode.
         self.encoder_cache_manager = encoder_cache_manager
         self.encoder_compute_budget = encoder_compute_budget
+        # The KV connector's scheduler side (None: none): prompt tokens it loads, blocks it saves.
+        self.kv_connector = kv_connector
         # Distinct adapters the running requests may use (None: LoRA off).
         self.max_loras = max_loras
         # An adapter that takes no new request until its slot frees, for a request waiting for one.
@@ -138,6 +142,8 @@ class Scheduler:
         request.finish(status)
         self.kv_cache_manager.free(request.request_id)
         self._free_encoder_cache(request)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -241,7 +247,10 @@ class Scheduler:
                 )
             else:  # every prompt token must be computed to score it
                 computed_blocks, num_computed = [], 0
-            remaining = len(tokens) - num_computed
+            num_external = 0
+            if self.kv_connector is not None and request.sampling_params.prompt_logprobs is None:
+                num_external, _ = self.kv_connector.get_num_new_matched_tokens(request, num_computed)
+            remaining = len(tokens) - num_computed - num_external
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(remaining, budget)
@@ -253,7 +262,7 @@ class Scheduler:
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request.request_id,
                 request.block_hash_ids,
-                num_new + self._lookahead(request, num_new, num_computed),
+                num_external + num_new + self._lookahead(request, num_new, num_computed + num_external),
                 num_computed,
                 computed_blocks,
                 request.lora_name,
@@ -261,6 +270,10 @@ class Scheduler:
             if new_blocks is None:
                 break
             encoder_budget = new_encoder_budget
+            if self.kv_connector is not None:
+                block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+                self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
+            num_computed += num_external
             del self.waiting[waiting_index]
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
@@ -288,6 +301,11 @@ class Scheduler:
         self.num_scheduled_tokens_total += total_num_scheduled
         self.max_num_scheduled_reqs = max(self.max_num_scheduled_reqs, len(num_scheduled))
         finished, self._finished_req_ids = self._finished_req_ids, set()
+        connector_metadata = None
+        if self.kv_connector is not None:
+            scheduled = [self.requests[r] for r in num_scheduled]
+            blocks = {r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r in scheduled}
+            connector_metadata = self.kv_connector.build_connector_meta(scheduled, blocks)
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -300,6 +318,7 @@ class Scheduler:
                 [] if self.encoder_cache_manager is None else self.encoder_cache_manager.get_freed_mm_hashes()
             ),
             scheduled_encoder_inputs=encoder_inputs_by_req,
+            kv_connector_metadata=connector_metadata,
             num_decode_steps=steps,
         )
 

@@ -34,6 +34,7 @@ from jaxrunner.runner import step_functions
 from jaxrunner.runner.block_table import BlockTables
 from jaxrunner.runner.input_batch import SampleRows, StepShape, pack_step_buffer
 from jaxrunner.runner.kv_cache import KVCacheSpec
+from jaxrunner.runner.kv_connector.block_copies import block_ladder, gather_blocks, scatter_blocks
 from jaxrunner.runner.packed_rows import RowLayout
 from jaxrunner.runner.states import DeviceState, write_new_requests
 from jaxrunner.runner.step_functions import ParamLeaves, StepStatics
@@ -279,6 +280,7 @@ class ProgramInputs:
     patch_features: int = 0  # features of one image patch, what the vision encoder reads
     max_image_patches: int = 0  # the largest image the encoder takes, in patches (a multiple of merge_area)
     merge_area: int = 1  # patches merged into one placeholder token
+    max_moved_blocks: int = 0  # a KV connector's largest copy of blocks (0: no connector)
 
 
 class CompilationManager:
@@ -288,7 +290,8 @@ class CompilationManager:
     ``write_new_requests`` (request bucket), ``decode_steps`` ((token bucket,
     request bucket, steps)), ``prompt_logprobs`` (token bucket), with LoRA
     ``set_lora_slot`` (one program, key None, for every slot), and for a
-    vision-language model ``encode_image`` (patch bucket: one image a call). Programs that
+    vision-language model ``encode_image`` (patch bucket: one image a call), and
+    with a KV connector ``kv_gather`` and ``kv_scatter`` (bucket of blocks). Programs that
     take the KV cache are lowered for ``num_blocks`` blocks, set once the cache is
     sized. With LoRA the forward programs take the slots' weights as an argument
     (not donated), so loading an adapter changes an input, never a program.
@@ -324,6 +327,9 @@ class CompilationManager:
         self.set_lora_slot = CompiledPrograms("set_lora_slot", lambda _: self._lower_set_lora_slot())
         self.encode_image = CompiledPrograms("encode_image", self._lower_encode_image)
         self.patch_buckets = self._patch_ladder()
+        self.kv_gather = CompiledPrograms("kv_gather", lambda b: self._lower_kv_copy(b, gather=True))
+        self.kv_scatter = CompiledPrograms("kv_scatter", lambda b: self._lower_kv_copy(b, gather=False))
+        self.kv_block_buckets = block_ladder(inputs.max_moved_blocks) if inputs.max_moved_blocks else []
         # Outputs keep the inputs' layout: caches split on KV heads, everything else replicated.
         cache, whole = inputs.cache_sharding, inputs.replicated
         self._sample_jit = jax.jit(
@@ -352,6 +358,7 @@ class CompilationManager:
     def programs(self) -> tuple[CompiledPrograms, ...]:
         programs = (self.forward, self.sample, self.write_new_requests, self.decode_steps, self.prompt_logprobs)
         programs += (self.set_lora_slot,) if self.inputs.lora_weights is not None else ()
+        programs += (self.kv_gather, self.kv_scatter) if self.kv_block_buckets else ()
         return programs + ((self.encode_image,) if self.patch_buckets else ())
 
     def compiler_options(self, num_rows: int) -> CompilerOptions:
@@ -363,6 +370,9 @@ class CompilationManager:
 
     def request_bucket(self, num_reqs: int, what: str = "requests") -> int:
         return pad_to_bucket(num_reqs, self.request_buckets, what)
+
+    def kv_block_bucket(self, num_blocks: int) -> int:
+        return pad_to_bucket(num_blocks, self.kv_block_buckets, "KV blocks")
 
     def patch_bucket(self, num_patches: int) -> int:
         return pad_to_bucket(num_patches, self.patch_buckets, "image patches")
@@ -379,6 +389,7 @@ class CompilationManager:
         jobs += [(self.prompt_logprobs, b) for b in self.token_buckets]
         jobs += [(self.set_lora_slot, None)] if self.inputs.lora_weights is not None else []
         jobs += [(self.encode_image, b) for b in self.patch_buckets]
+        jobs += [(programs, b) for b in self.kv_block_buckets for programs in (self.kv_gather, self.kv_scatter)]
         for programs, bucket in tqdm(jobs, desc="Precompiling buckets", leave=False):
             programs.get(bucket)
         return time.perf_counter() - start
@@ -606,6 +617,21 @@ class CompilationManager:
             self._input((num_patches,), jnp.int32),
             self._input((num_patches // inputs.merge_area,), jnp.int32),
         )
+
+    def _lower_kv_copy(self, num_moved: int, gather: bool) -> jax.stages.Lowered:
+        """A connector's gather of ``num_moved`` blocks out of the KV cache, or its scatter into it (donated)."""
+        inputs = self.inputs
+        caches = inputs.kv_cache.abstract(self._kv_blocks(), inputs.cache_sharding)
+        ids = self._input((num_moved,), jnp.int32)
+        if gather:
+            gather_jit = jax.jit(gather_blocks, out_shardings=(inputs.replicated, inputs.replicated))
+            return gather_jit.lower(caches, ids)
+        spec = inputs.kv_cache
+        blocks = self._input(
+            (spec.num_layers, num_moved, spec.block_size, spec.num_kv_heads, spec.head_dim), spec.dtype
+        )
+        scatter_jit = jax.jit(scatter_blocks, donate_argnums=(0,), out_shardings=inputs.cache_sharding)
+        return scatter_jit.lower(caches, ids, blocks, blocks)
 
     def _lower_set_lora_slot(self) -> jax.stages.Lowered:
         """``set_slot`` over the LoRA slots, a traced slot and one adapter's float32 arrays (``adapter_arrays``)."""

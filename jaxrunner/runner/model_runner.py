@@ -69,6 +69,8 @@ from jaxrunner.runner.decode_rounds import check_decode_round, check_num_decode_
 from jaxrunner.runner.encoder_runner import EncoderRunner, check_multimodal_support
 from jaxrunner.runner.input_batch import InputBatch, SampleRows, pack_step_buffer
 from jaxrunner.runner.kv_cache import KVCaches, KVCacheSpec, MemoryBudget, allocate_kv_caches, size_kv_cache
+from jaxrunner.runner.kv_connector.factory import make_kv_connector
+from jaxrunner.runner.kv_connector.mover import CompiledBlockMover
 from jaxrunner.runner.lora import LORA_OFF, LoRASlots, check_lora_support
 from jaxrunner.runner.prompt_logprobs import PromptLogprobs
 from jaxrunner.runner.spec_decode.draft_model import DraftModel
@@ -253,6 +255,9 @@ class ModelRunner:
             self.request_features: list[RequestFeatureState] = [self.prompt_logprobs]
             self.request_features += [] if self.lora is None else [self.lora]
             self.request_features += [] if self.encoder_runner is None else [self.encoder_runner]
+            # The KV connector's worker side (the no-op one without a KVTransferConfig: never called then).
+            self.kv_connector = make_kv_connector(self.config, multimodal=vision is not None)
+            self.uses_kv_connector = self.config.kv_transfer_config is not None
         logger.info("Model loaded in %.1f s", self.spans.seconds["load_model"])
 
     def fresh_device_state(self) -> DeviceState:
@@ -332,6 +337,9 @@ class ModelRunner:
             patch_features=0 if vision is None else vision.patch_features,
             max_image_patches=0 if encoder is None else self.max_image_embeds * encoder.merge_area,
             merge_area=1 if encoder is None else encoder.merge_area,
+            max_moved_blocks=(
+                self.max_num_tokens // self.block_size + self.max_num_reqs if self.config.kv_transfer_config else 0
+            ),
         )
 
     def _built_for_mesh(self, module: _OnMesh) -> _OnMesh:
@@ -399,6 +407,7 @@ class ModelRunner:
                 utilization = self.cache_config.gpu_memory_utilization
                 self.memory_budget = MemoryBudget(num_blocks, self.block_size, bytes_per_block, utilization)
             self.num_blocks = self.compilation.num_blocks = num_blocks
+            self.block_mover = CompiledBlockMover(self.compilation, num_blocks)
             self.kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks, self.kv_cache_sharding)
             if self.drafter is not None:
                 self.draft_kv_caches = allocate_kv_caches(self.drafter.kv_spec, num_blocks, self.kv_cache_sharding)
@@ -444,6 +453,9 @@ class ModelRunner:
             self.finish_requests(scheduler_output)
             self.add_requests(scheduler_output)
             self.update_requests(scheduler_output)
+            connector_metadata = scheduler_output.kv_connector_metadata
+            if self.uses_kv_connector:  # the runner we mirror's pre_forward
+                self.kv_caches = self.kv_connector.start_load_kv(connector_metadata, self.kv_caches, self.block_mover)
             if scheduler_output.total_num_scheduled_tokens == 0:
                 return ModelRunnerOutput.make_empty()
             self.execute_mm_encoder(scheduler_output)
@@ -452,6 +464,8 @@ class ModelRunner:
                 self.execute_model_state = self.run_decode_round(batch, step_buffer)
             else:
                 self.execute_model_state = self.run_forward(batch, step_buffer)
+            if self.uses_kv_connector:  # post_forward
+                self.kv_connector.save_kv(connector_metadata, self.kv_caches, self.block_mover)
             return None
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | AsyncModelRunnerOutput:
