@@ -8,7 +8,8 @@ import pytest
 from jaxrunner import LLM, SamplingParams
 from jaxrunner.runner.compilation import CompileCounter
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 RNG = np.random.default_rng(0)
 DOC_A, DOC_B = RNG.integers(3, 250, 96).tolist(), RNG.integers(3, 250, 96).tolist()
 QUESTIONS = [RNG.integers(3, 250, n).tolist() for n in (10, 7, 13)]
@@ -75,7 +76,7 @@ def test_a_full_host_pool_drops_its_oldest_blocks(without_connector):
     expected, computed_without = without_connector
     llm = make_llm(kv_transfer_config=offloading(num_cpu_blocks=4))
     assert run_turns(llm) == expected
-    pool = llm.llm_engine.runner.kv_connector.store
+    pool = llm.llm_engine.runner.kv_connector.store  # pyright: ignore[reportAttributeAccessIssue]
     assert len(pool) == 4 and pool.num_evicted > 0
     stats = llm.llm_engine.runner.kv_connector.stats
     assert llm.llm_engine.scheduler.num_scheduled_tokens_total == computed_without - stats.loaded_tokens
@@ -96,7 +97,7 @@ def test_prefill_engine_hands_prompts_to_a_decode_engine(tmp_path):
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     # The decode engine computed each prompt's last token and then decoded, nothing else: every other prompt
     # token came from the store, or from its own prefix cache (the third prompt starts as the first).
-    decoded = len(prompts) * (GREEDY.max_tokens - 1)
+    decoded = len(prompts) * (MAX_TOKENS - 1)
     assert consumer.llm_engine.scheduler.num_scheduled_tokens_total == len(prompts) + decoded
     device_hits = consumer.kv_cache_manager.reset_stats().hits
     loaded = consumer.llm_engine.runner.kv_connector.stats.loaded_tokens
@@ -113,13 +114,13 @@ def test_corrupt_and_missing_blocks_are_computed_again(tmp_path):
     connector = producer.llm_engine.runner.kv_connector
     files = sorted(tmp_path.glob("*.npz"), key=lambda f: f.stat().st_mtime_ns)
     assert len(files) == 7 and connector.stats.saved_blocks == 7
-    keys = connector._keys(_Prompt(prompt), 6)  # the chain's order
+    keys = connector._keys(_Prompt(prompt), 6)  # pyright: ignore[reportAttributeAccessIssue]
     (tmp_path / f"{keys[2]}.npz").write_bytes(b"not a block")  # a load that fails midway, at the third block
     consumer = make_llm(kv_transfer_config=shared(tmp_path, "kv_consumer"))
     assert run_turns(consumer, [prompt]) == expected
     stats = consumer.llm_engine.runner.kv_connector.stats
     assert stats.load_failures == 1 and stats.loaded_tokens == 2 * 16  # the two blocks before it
-    assert consumer.llm_engine.scheduler.num_scheduled_tokens_total == len(prompt) - 32 + GREEDY.max_tokens - 1
+    assert consumer.llm_engine.scheduler.num_scheduled_tokens_total == len(prompt) - 32 + MAX_TOKENS - 1
     (tmp_path / f"{keys[0]}.npz").unlink()  # a missing first block: nothing loads, nothing fails
     again = make_llm(kv_transfer_config=shared(tmp_path, "kv_consumer"))
     assert run_turns(again, [prompt]) == expected

@@ -29,8 +29,10 @@ def checkpoint(request, tmp_path_factory):
 
 
 def make_llm(path, **kwargs) -> LLM:
-    options = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16)
-    return LLM(str(path), **{**options, **kwargs})
+    """A float32 engine with few buckets (few programs to compile), 16 tokens a step unless given."""
+    options = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16, request_buckets=[4])
+    options = {**options, **kwargs}
+    return LLM(str(path), token_buckets=[4, options["max_num_batched_tokens"]], **options)
 
 
 def engine_state_is_clean(llm: LLM) -> None:
