@@ -3,7 +3,7 @@
 ``results/latest/`` holds the newest recorded run of each measurement and
 ``sources.json``, which says for each file what it measures (``decode:BxC``,
 ``attention``, ``attention_fp8``, ``prefill``, ``throughput``, ``host_share``,
-``bound:bf16``, ``bound:fp8``, ``lora``, ``images``, ...), where, when,
+``bound:bf16``, ``bound:fp8``, ``lora``, ``images``, ``kv_offload``, ...), where, when,
 on which commit and with which command. For each figure the table takes the
 last file in ``sources.json`` that measures it, and gives the figure as a
 ratio to the floor or peer measured in the same run. To record a new run, copy
@@ -173,6 +173,26 @@ def images_figure(source: dict) -> tuple[str, str]:
     )
 
 
+def kv_offload_figure(source: dict) -> tuple[str, str]:
+    """``kv_offload``'s time to first token of documents seen before, loaded from host memory against computed."""
+    data = source["data"]
+    none, offloading = data["runs"]["none"], data["runs"]["offloading"]
+    return (
+        f"{data['ttft_offloading_over_recompute']:.2f}x",
+        f"{offloading['ttft_later_mean_s'] * 1e3:.0f} ms against {none['ttft_later_mean_s'] * 1e3:.0f} ms; "
+        f"{offloading['loaded_tokens']:,} tokens loaded instead of computed",
+    )
+
+
+def noop_connector_figure(source: dict) -> tuple[str, str]:
+    """The whole ``kv_offload`` run with the no-op connector's hooks, against no connector."""
+    data = source["data"]
+    return (
+        f"{data['noop_over_none_wall']:.3f}x",
+        f"{data['runs']['noop']['wall_s']:.2f} s against {data['runs']['none']['wall_s']:.2f} s",
+    )
+
+
 def host_share_figure(source: dict) -> tuple[str, str]:
     data = source["data"]
     return (
@@ -241,6 +261,13 @@ def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
             "images",
             images_figure,
         ),
+        (
+            "KV offloading to host memory, multi-turn documents past the device's cache: time to first token / "
+            "recomputing",
+            "kv_offload",
+            kv_offload_figure,
+        ),
+        ("KV connector hooks (no-op connector) / none, the same run", "kv_offload", noop_connector_figure),
     ]
     rows = []
     for label, measure, figure in wanted:

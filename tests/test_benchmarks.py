@@ -130,6 +130,28 @@ COMMANDS = {
         "{out}",
     ],
     "e2e": ["--model", "tiny-llama", "--parts", "a", "f", "--out-dir", "{out}"],
+    "kv_offload": [
+        "--model",
+        "tiny-llama",
+        "--documents",
+        "3",
+        "--doc-len",
+        "96",
+        "--question-len",
+        "8",
+        "--output-len",
+        "4",
+        "--rounds",
+        "2",
+        "--gpu-blocks",
+        "16",
+        "--cpu-blocks",
+        "64",
+        "--max-num-batched-tokens",
+        "128",
+        "--out",
+        "{out}",
+    ],
     "vl_serving": [
         "--shape",
         "tiny",
@@ -266,6 +288,15 @@ def test_e2e_measures_floors_and_start_up_phases(runs):
     assert result["summary"]["errors"] == []
 
 
+def test_kv_offload_loads_the_evicted_documents_with_the_same_tokens(runs):
+    result = result_of(runs, "kv_offload")
+    assert_stamped(result)
+    none, offloading = result["runs"]["none"], result["runs"]["offloading"]
+    assert result["same_tokens"] and offloading["loaded_tokens"] > 0
+    assert offloading["computed_tokens"] == none["computed_tokens"] - offloading["loaded_tokens"]
+    assert result["ttft_offloading_over_recompute"] > 0 and result["noop_over_none_wall"] > 0
+
+
 def test_vl_serving_runs_both_sides_on_images(runs):
     result = result_of(runs, "vl_serving")
     ours, hf = result["ours"], result["hf"]
@@ -285,9 +316,11 @@ def test_table_has_every_figure_from_a_recorded_run():
     measured = {label for label, ratio, _, source in rows if source is not None}
     cases = report.DECODE_CASES + report.ATTENTION_DECODE_CASES + report.ATTENTION_FP8_DECODE_CASES
     cases += report.ATTENTION_PREFILL_CASES + report.LORA_CASES
-    assert len(rows) == len(cases) + 6  # + prefill, 3 benches, host share, images
-    # 256 x 4k fits no GPU in bf16; the 1000x1000/1000 runs and the images run have not completed on a GPU yet.
+    assert len(rows) == len(cases) + 8  # + prefill, 3 benches, host share, images, 2 KV connector figures
+    # 256 x 4k fits no GPU in bf16; the 1000x1000/1000, images and KV connector runs have not run on a GPU yet.
     unmeasured = {
+        "KV offloading to host memory, multi-turn documents past the device's cache: time to first token / recomputing",
+        "KV connector hooks (no-op connector) / none, the same run",
         "decode step / bandwidth floor, batch 256 x 4k",
         f"Qwen2.5-VL-7B shape, {report.IMAGES_WORKLOAD}: output tok/s / HF transformers'",
         f"offline throughput {report.BOUND_WORKLOAD}, bf16 cache: output tok/s / bound",
