@@ -124,7 +124,6 @@ def run_ours(args: argparse.Namespace) -> dict:
     from benchmarks.harness import device_facts
     from jaxrunner import LLM, SamplingParams
     from jaxrunner.inputs import PromptType
-    from jaxrunner.models.qwen2_vl_vision import frame_ids, patch_positions, window_ids
 
     on_gpu = jax.default_backend() == "gpu"
     llm = LLM(
@@ -143,8 +142,8 @@ def run_ours(args: argparse.Namespace) -> dict:
     warm = llm.generate(prompts[-1:], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert warm[0].error is None, warm[0].error
     engine = llm.llm_engine
-    encoder, vision = engine.runner.encoder_runner, engine.runner.model_arch.vision
-    assert encoder is not None and vision is not None, "a vision-language model"
+    encoder = engine.runner.encoder_runner
+    assert encoder is not None, "a vision-language model"
     encoded_before = encoder.num_encoded
     start = time.monotonic()
     outputs = llm.generate(prompts[:-1], params, use_tqdm=False)
@@ -161,16 +160,7 @@ def run_ours(args: argparse.Namespace) -> dict:
     compilation = engine.runner.compilation
     bucket = compilation.patch_bucket(patches.num_patches)
     program = compilation.encode_image.get(bucket)
-    pad = bucket - patches.num_patches
-    grid = [patches.grid_thw]
-    as_int = lambda a, fill: np.pad(a.astype(np.int32), [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
-    inputs = (
-        np.pad(patches.pixel_values, ((0, pad), (0, 0))),
-        as_int(patch_positions(grid, vision.spatial_merge_size), 0),
-        as_int(frame_ids(grid), -1),
-        as_int(window_ids(grid, vision), -1),
-        np.full(bucket // vision.spatial_merge_size**2, encoder.cache_size, np.int32),
-    )
+    inputs = encoder.encode_image_inputs(patches, bucket, np.zeros(0, np.int32))  # no rows: nothing written
     cache = encoder.cache
     times = []
     for _ in range(args.encoder_repeats):

@@ -32,7 +32,6 @@ class EncoderCacheManager:
         # Entries nobody references, least recently freed first, with their sizes.
         self.freeable: OrderedDict[str, int] = OrderedDict()
         self.freed: list[str] = []
-        self.num_encoded = 0  # entries ever allocated: the images the runner encodes
 
     def check_and_update_cache(self, request: Request, input_id: int) -> bool:
         """Whether the request's item ``input_id`` is cached; if so, the request now references it."""
@@ -68,7 +67,6 @@ class EncoderCacheManager:
         self.sizes[feature.identifier] = feature.num_embeds
         self.num_free_slots -= feature.num_embeds
         self.num_freeable_slots -= feature.num_embeds
-        self.num_encoded += 1
 
     def free_encoder_input(self, request: Request, input_id: int) -> None:
         """The request no longer needs the item; an entry nobody needs becomes freeable."""

@@ -84,7 +84,7 @@ class InputProcessor:
                 "(Qwen2-VL, Qwen2.5-VL), or send text only."
             )
         token_ids, features = self.mm_processor.process(token_ids, prompt.multi_modal_data)
-        most = getattr(self.runner, "max_image_embeds", None)
+        most = self.runner.max_image_embeds
         for i, feature in enumerate(features):
             if most is not None and feature.num_embeds > most:
                 raise ValueError(

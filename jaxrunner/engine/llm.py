@@ -43,6 +43,7 @@ from jaxrunner.models.loader import load_config
 from jaxrunner.models.safetensors_io import CONFIG_FILE, read_json_object
 from jaxrunner.models.tokenizer import build_byte_tokenizer, load_tokenizer
 from jaxrunner.multimodal.processing import MultiModalProcessor
+from jaxrunner.runner.compilation import power_of_two_ladder
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.sharding import make_mesh, replica_meshes
 
@@ -52,10 +53,6 @@ logger = logging.getLogger(__name__)
 # on a CPU, small limits and power-of-two ladders keep start-up short.
 _GPU_LIMITS = dict(max_num_seqs=1024, max_num_batched_tokens=8192)
 _CPU_LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=128)
-
-
-def _power_of_two_ladder(limit: int) -> list[int]:
-    return sorted({1 << i for i in range(limit.bit_length()) if 1 << i < limit} | {limit})
 
 
 class _NewRequest(NamedTuple):
@@ -204,8 +201,8 @@ class LLM:
         )
         max_num_seqs, max_num_batched_tokens = scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens
         if on_cpu:
-            token_buckets = token_buckets or _power_of_two_ladder(max_num_batched_tokens)
-            request_buckets = request_buckets or _power_of_two_ladder(max_num_seqs)
+            token_buckets = token_buckets or power_of_two_ladder(max_num_batched_tokens)
+            request_buckets = request_buckets or power_of_two_ladder(max_num_seqs)
         parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
         meshes = replica_meshes(make_mesh(parallel))
         if is_builtin(model):

@@ -34,7 +34,7 @@ from jaxrunner.runner import step_functions
 from jaxrunner.runner.block_table import BlockTables
 from jaxrunner.runner.input_batch import SampleRows, StepShape, pack_step_buffer
 from jaxrunner.runner.kv_cache import KVCacheSpec
-from jaxrunner.runner.kv_connector.block_copies import block_ladder, gather_blocks, scatter_blocks
+from jaxrunner.runner.kv_connector.block_copies import gather_blocks, scatter_blocks
 from jaxrunner.runner.packed_rows import RowLayout
 from jaxrunner.runner.states import DeviceState, write_new_requests
 from jaxrunner.runner.step_functions import ParamLeaves, StepStatics
@@ -119,6 +119,11 @@ def default_ladder(max_size: int) -> list[int]:
         sizes += [octave + octave // 2, octave * 2]
         octave *= 2
     return sorted({s for s in sizes if s < max_size} | {max_size})
+
+
+def power_of_two_ladder(max_size: int) -> list[int]:
+    """The powers of two below ``max_size``, and it."""
+    return sorted({1 << i for i in range(max_size.bit_length()) if 1 << i < max_size} | {max_size})
 
 
 def make_ladder(requested: Iterable[int] | None, max_size: int, name: str) -> list[int]:
@@ -329,7 +334,7 @@ class CompilationManager:
         self.patch_buckets = self._patch_ladder()
         self.kv_gather = CompiledPrograms("kv_gather", lambda b: self._lower_kv_copy(b, gather=True))
         self.kv_scatter = CompiledPrograms("kv_scatter", lambda b: self._lower_kv_copy(b, gather=False))
-        self.kv_block_buckets = block_ladder(inputs.max_moved_blocks) if inputs.max_moved_blocks else []
+        self.kv_block_buckets = power_of_two_ladder(inputs.max_moved_blocks) if inputs.max_moved_blocks else []
         # Outputs keep the inputs' layout: caches split on KV heads, everything else replicated.
         cache, whole = inputs.cache_sharding, inputs.replicated
         self._sample_jit = jax.jit(

@@ -25,7 +25,7 @@ from jaxrunner.config import RunnerConfig
 from jaxrunner.interfaces import NewRequestData
 from jaxrunner.models.qwen2_vl_vision import VisionConfig, frame_ids, patch_positions, window_ids
 from jaxrunner.models.transformer import TransformerConfig
-from jaxrunner.multimodal.inputs import MultiModalFeatureSpec
+from jaxrunner.multimodal.inputs import ImagePatches, MultiModalFeatureSpec
 from jaxrunner.runner.compilation import CompilationManager
 from jaxrunner.runner.input_batch import NO_ENCODER_ROW
 
@@ -120,22 +120,29 @@ class EncoderRunner:
             )
         rows = np.array([self._free_rows.pop() for _ in range(feature.num_embeds)], np.int32)
         bucket = compilation.patch_bucket(feature.data.num_patches)
-        grid = [feature.data.grid_thw]
-        pad = bucket - feature.data.num_patches
+        program = compilation.encode_image.get(bucket)
+        self.cache = call(program, self.cache, *self.encode_image_inputs(feature.data, bucket, rows))
+        self.rows[feature.identifier] = rows
+        self.num_encoded += 1
+
+    def encode_image_inputs(
+        self, image: ImagePatches, bucket: int, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``encode_image``'s inputs for one image padded to ``bucket`` patches: its patches, their positions,
+        frames and windows (padding a frame of its own), and the cache rows of its tokens (padding's past the
+        cache, dropped)."""
+        grid = [image.grid_thw]
+        pad = bucket - image.num_patches
         pad_int = lambda a, value: np.pad(
             a.astype(np.int32), [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=value
         )
-        self.cache = call(
-            compilation.encode_image.get(bucket),
-            self.cache,
-            np.pad(feature.data.pixel_values, ((0, pad), (0, 0))),
+        return (
+            np.pad(image.pixel_values, ((0, pad), (0, 0))),
             pad_int(patch_positions(grid, self.vision.spatial_merge_size), 0),
             pad_int(frame_ids(grid), NO_FRAME),
             pad_int(window_ids(grid, self.vision), NO_FRAME),
             np.pad(rows, (0, bucket // self.merge_area - rows.size), constant_values=self.cache_size),
         )
-        self.rows[feature.identifier] = rows
-        self.num_encoded += 1
 
     # -------------------------------------------------------------- gather
 

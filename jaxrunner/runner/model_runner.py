@@ -211,6 +211,7 @@ class ModelRunner:
                 mrope_merge_size=vision.spatial_merge_size if vision is not None and self.uses_mrope else None,
             )
             self.encoder_runner = None
+            self.max_image_embeds: int | None = None  # the most tokens one image may take (None: no images)
             if vision is not None:
                 compute_budget, cache_size = self.config.scheduler_config.encoder_budget(self.max_model_len)
                 per_image = self.config.multimodal_config.max_tokens_per_image or self.max_model_len
@@ -335,7 +336,7 @@ class ModelRunner:
             lora_weights=abstract(self.lora_weights),
             encoder_cache=None if encoder is None else abstract(encoder.cache),
             patch_features=0 if vision is None else vision.patch_features,
-            max_image_patches=0 if encoder is None else self.max_image_embeds * encoder.merge_area,
+            max_image_patches=encoder.merge_area * self.max_image_embeds if encoder and self.max_image_embeds else 0,
             merge_area=1 if encoder is None else encoder.merge_area,
             max_moved_blocks=(
                 self.max_num_tokens // self.block_size + self.max_num_reqs if self.config.kv_transfer_config else 0

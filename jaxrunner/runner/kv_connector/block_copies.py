@@ -1,6 +1,6 @@
 """The two programs a connector moves blocks with: a gather of blocks out of the device cache, a scatter into it.
 
-Both take a bucket of block ids (``CompilationManager.kv_block_buckets``), so no
+Both take a bucket of block ids (``CompilationManager.kv_block_buckets``, powers of two), so no
 step compiles whatever number of blocks it moves. A gather's padding reads the
 null block and is dropped on the host; a scatter's padding ids lie past the cache
 and are dropped by the scatter.
@@ -29,8 +29,3 @@ def scatter_blocks(kv_caches: KVCaches, block_ids: Int[Array, " num_moved"], k: 
         (k_cache.at[block_ids].set(k[i], mode="drop"), v_cache.at[block_ids].set(v[i], mode="drop"))
         for i, (k_cache, v_cache) in enumerate(kv_caches)
     ]
-
-
-def block_ladder(max_blocks: int) -> list[int]:
-    """Block-count buckets: powers of two below ``max_blocks``, and it."""
-    return sorted({1 << i for i in range(max_blocks.bit_length()) if 1 << i < max_blocks} | {max_blocks})
