@@ -40,7 +40,8 @@ class ShardingRules:
     vocab: str | None = MODEL_AXIS  # embedding rows, lm_head columns (padded to a multiple of the TP size)
     q_heads: str | None = MODEL_AXIS  # o_proj inputs
     kv_heads: str | None = MODEL_AXIS  # qkv_proj outputs (a KV head with its query heads), the KV cache's heads
-    mlp: str | None = MODEL_AXIS  # gate_up_proj outputs, down_proj inputs
+    mlp: str | None = MODEL_AXIS  # gate_up_proj outputs, down_proj inputs (every expert's too)
+    expert: str | None = None  # mixture-of-experts: every device holds a slice of every expert
     embed: str | None = None  # the residual stream's features
     head_dim: str | None = None
 

@@ -12,9 +12,9 @@ from jax.sharding import Mesh
 from transformers import PreTrainedTokenizerFast
 
 from jaxrunner.models import CausalLM, TransformerConfig, init_random_model, load_model
+from jaxrunner.models.rope import Llama3RopeScaling, Rope
 from jaxrunner.models.safetensors_io import CONFIG_FILE, read_json_object
 from jaxrunner.models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
-from jaxrunner.models.transformer import Llama3RopeScaling
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -32,9 +32,11 @@ def _llama3(*, hidden_size: int, intermediate_size: int, num_layers: int, num_he
         num_kv_heads=8,
         head_dim=128,
         rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=Llama3RopeScaling(
-            factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+        rope=Rope(
+            500000.0,
+            Llama3RopeScaling(
+                factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+            ),
         ),
         max_position_embeddings=131072,
     )
@@ -104,10 +106,13 @@ def load_builtin(
     return init_random_model(config, dtype=dtype, seed=seed, mesh=mesh), config, build_byte_tokenizer()
 
 
-def load_named_model(name: str, *, dtype="float32", seed: int = 0, mesh: Mesh | None = None) -> CausalLM:
-    """A built-in model (random weights from ``seed``) or a checkpoint directory's, on ``mesh``;
-    any other ``name`` is refused by :func:`check_model_name`."""
+def load_named_model(
+    name: str, *, dtype="float32", seed: int = 0, mesh: Mesh | None = None, max_model_len: int | None = None
+) -> CausalLM:
+    """A built-in model (random weights from ``seed``) or a checkpoint directory's, on ``mesh``, for serving
+    ``max_model_len`` tokens (None: the model's positions); any other ``name`` is refused by
+    :func:`check_model_name`."""
     check_model_name(name)
     if is_builtin(name):
         return load_builtin(name, dtype=dtype, seed=seed, mesh=mesh)[0]
-    return load_model(name, dtype=dtype, mesh=mesh)[0]
+    return load_model(name, dtype=dtype, mesh=mesh, max_model_len=max_model_len)[0]

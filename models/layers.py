@@ -1,4 +1,6 @@
-"""Layers more than one model family shares: HF's rotate-half RoPE and the RMSNorm."""
+"""Layers more than one model family shares: HF's rotate-half RoPE, the RMSNorm and the MLP activations."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,15 +20,27 @@ def apply_rope(
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-class RMSNorm(nnx.Module):
-    """Root-mean-square norm over the last axis, statistics in float32."""
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+"""The gated MLPs' activations, by HF ``hidden_act`` (``hidden_activation``) name."""
 
-    def __init__(self, dim: int, eps: float, *, dtype: DTypeLike, param_dtype: DTypeLike):
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last axis, statistics and scale in float32.
+
+    The scale is ``offset + weight``: 0 for Llama's norms, 1 for Gemma's (whose
+    weights are stored around 0).
+    """
+
+    def __init__(self, dim: int, eps: float, *, dtype: DTypeLike, param_dtype: DTypeLike, offset: float = 0.0):
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, param_dtype))
         self.eps = eps
         self.dtype = dtype
+        self.offset = offset
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.weight[...].astype(jnp.float32)).astype(self.dtype)
+        return (x32 * (self.offset + self.weight[...].astype(jnp.float32))).astype(self.dtype)

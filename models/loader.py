@@ -8,7 +8,10 @@ Checkpoint names are HF's: our parameter path joined with dots, with a
 Linear's ``kernel`` (``[in, out]``, HF's ``weight`` transposed) and an Embed's
 ``embedding`` both called ``weight``. A merged projection's parameter
 (``qkv_proj``, ``gate_up_proj``) is assembled from its parts' tensors
-(``q_proj``, ``k_proj``, ``v_proj``...), each device reading its slice of each.
+(``q_proj``, ``k_proj``, ``v_proj``...), each device reading its slice of each;
+a mixture-of-experts layer's stacked experts from one tensor per expert and part.
+A family whose checkpoint names tensors otherwise (Phi-3's fused projections,
+Mixtral's experts) has them renamed or cut first (``registry.Architecture``).
 An attention layer's KV cache scales (``KVScale``) come from the tensors vLLM
 reads for them (:data:`KV_SCALE_NAMES`), else are 1.0.
 """
@@ -29,8 +32,9 @@ from jax.sharding import Mesh
 
 from jaxrunner.config import ParallelConfig
 from jaxrunner.models.eagle import EagleHead
+from jaxrunner.models.moe import EXPERT_PARTS, Experts
 from jaxrunner.models.partitioning import logical_axes, param_sharding, param_shardings
-from jaxrunner.models.registry import model_class
+from jaxrunner.models.registry import TensorViews, architecture, tensors_as_named
 from jaxrunner.models.safetensors_io import (
     CONFIG_FILE,
     CheckpointError,
@@ -58,13 +62,20 @@ scales each sets: vLLM's ``maybe_remap_kv_scale_name`` and its quantization conf
 
 
 def load_model(
-    model_dir: str | PathLike, *, dtype="float32", param_dtype=None, mesh: Mesh | None = None
+    model_dir: str | PathLike,
+    *,
+    dtype="float32",
+    param_dtype=None,
+    mesh: Mesh | None = None,
+    max_model_len: int | None = None,
 ) -> tuple[CausalLM, TransformerConfig]:
     """Loads ``config.json`` and the safetensors weights of a local HF model directory.
 
     ``dtype`` is the compute dtype, ``param_dtype`` the weights' (default ``dtype``);
     both accept names like ``"bfloat16"`` or jnp dtypes. ``mesh`` (default: the first
-    device) is where the weights go, split over its ``model`` axis. Raises ``ValueError``
+    device) is where the weights go, split over its ``model`` axis. ``max_model_len``
+    (None: the model's positions) is the length served, which picks LongRoPE's
+    factors (``models/rope.py``). Raises ``ValueError``
     for a layout the mesh cannot take, and ``CheckpointError`` (a ``ValueError``) naming
     the file at fault for a config.json or index that cannot be read or is not supported
     (an architecture, a RoPE type), and for weights that do not fit.
@@ -72,23 +83,24 @@ def load_model(
     model_dir = Path(model_dir)
     hf_config = read_hf_config(model_dir)
     with _naming(model_dir / CONFIG_FILE):
-        cls = model_class(hf_config)
-        config = TransformerConfig.from_hf(hf_config)
+        arch = architecture(hf_config)
+        config = TransformerConfig.from_hf(hf_config, max_model_len)
     dtype = jnp.dtype(dtype)
     param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
     mesh = mesh or make_mesh(ParallelConfig())
+    cls = arch.model_class
     model = nnx.eval_shape(lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), mesh=mesh))
-    _fill_params(model, model_dir, param_dtype, mesh)
+    _fill_params(model, model_dir, param_dtype, mesh, arch.tensor_views)
     return model, config
 
 
-def load_config(model_dir: str | PathLike) -> TransformerConfig:
+def load_config(model_dir: str | PathLike, max_model_len: int | None = None) -> TransformerConfig:
     """The model configuration of a local HF model directory's ``config.json`` (no weights read)."""
     model_dir = Path(model_dir)
     hf_config = read_hf_config(model_dir)
     with _naming(model_dir / CONFIG_FILE):
-        model_class(hf_config)  # an architecture we serve
-        return TransformerConfig.from_hf(hf_config)
+        architecture(hf_config)  # an architecture we serve
+        return TransformerConfig.from_hf(hf_config, max_model_len)
 
 
 def load_eagle_head(model_dir: str | PathLike, *, dtype="float32", mesh: Mesh | None = None) -> EagleHead:
@@ -157,10 +169,21 @@ def hf_name(path: tuple) -> str:
 
 
 def hf_parts(model: nnx.Module) -> dict[tuple, list[tuple[str, int | None]]]:
-    """For each parameter path, the HF tensors it is made of: ``(name, slots)``, slots None for a whole tensor."""
+    """For each parameter path, the HF tensors it is made of: ``(name, slots)``, slots None for a whole tensor.
+
+    Stacked experts list every expert's tensors in expert order (``moe.EXPERT_PARTS`` each).
+    """
     parts = {}
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, MergedProjection):
+        if isinstance(node, Experts):
+            num_experts = node.down_proj.get_value().shape[0]
+            for leaf, expert_parts in EXPERT_PARTS.items():
+                parts[(*path, leaf)] = [
+                    (hf_name((*path, str(e), part, "kernel")), slots)
+                    for e in range(num_experts)
+                    for part, slots in expert_parts
+                ]
+        elif isinstance(node, MergedProjection):
             for leaf in ("kernel", "bias"):
                 if getattr(node, leaf) is not None:
                     parts[(*path, leaf)] = [(hf_name((*path[:-1], part, leaf)), n) for part, n in node.parts]
@@ -176,6 +199,12 @@ def hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
     for path, sources in hf_parts(model).items():
         value = np.asarray(nodes[path].get_value())
         is_kernel = path[-1] == "kernel"
+        if isinstance(nodes[path[:-1]], Experts):
+            per_expert = len(EXPERT_PARTS[path[-1]])
+            for e, expert in enumerate(value):
+                for (name, _), piece in zip(sources[e * per_expert : (e + 1) * per_expert], _expert_pieces(expert)):
+                    tensors[name] = np.ascontiguousarray(piece.reshape(piece.shape[0], -1).T)
+            continue
         if sources[0][1] is None:
             tensors[sources[0][0]] = np.ascontiguousarray(value.T if is_kernel else value)
             continue
@@ -184,6 +213,11 @@ def hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
             flat = piece.reshape(piece.shape[0], -1) if is_kernel else piece.reshape(-1)
             tensors[name] = np.ascontiguousarray(flat.T if is_kernel else flat)
     return tensors
+
+
+def _expert_pieces(expert: np.ndarray) -> list[np.ndarray]:
+    """One expert's ``[in, slots, width]`` (or ``[in, out]``) parameter cut into its parts, one slot each."""
+    return [expert] if expert.ndim == 2 else np.split(expert, expert.shape[-2], axis=-2)
 
 
 def _kv_scale_sources(model: nnx.Module) -> dict[str, list[tuple]]:
@@ -217,13 +251,22 @@ def _fill_kv_scales(model: nnx.Module, loaded: dict[tuple, float], mesh: Mesh) -
             node.set_value(jax.device_put(np.float32(loaded.get(path, 1.0)), param_sharding(mesh, path)))
 
 
-def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.dtype, mesh: Mesh) -> None:
+def _fill_params(
+    model: CausalLM | EagleHead,
+    model_dir: Path,
+    param_dtype: jnp.dtype,
+    mesh: Mesh,
+    tensor_views: TensorViews = tensors_as_named,
+) -> None:
     """Sets every parameter of the abstract ``model`` from the checkpoint, checking names and shapes,
     and its KV cache scales (1.0 where the checkpoint has none).
 
-    Each lands in its sharding on ``mesh`` (the model's); a padded vocabulary's extra rows are zeros.
+    Each checkpoint tensor is read through ``tensor_views`` (its family's names). Each
+    parameter lands in its sharding on ``mesh`` (the model's); a padded vocabulary's
+    extra rows are zeros.
     """
-    params = {path: var for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
+    nodes = dict(nnx.iter_graph(model))
+    params = {path: var for path, var in nodes.items() if isinstance(var, nnx.Param)}
     sources = hf_parts(model)
     owner = {name: path for path, parts in sources.items() for name, _ in parts}
     scale_sources = _kv_scale_sources(model)
@@ -233,7 +276,7 @@ def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.
     loaded_from: dict[str, Path] = {}
     files = checkpoint_files(model_dir)
     for file in files:
-        for name, array in iter_tensors(file):
+        for name, array in _viewed_tensors(file, tensor_views, model.config):
             if name.endswith(_IGNORED_SUFFIXES) or name in getattr(model, "ignored_tensors", ()):
                 continue
             if name == "lm_head.weight" and model.lm_head is None:
@@ -260,7 +303,10 @@ def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.
                 continue  # a merged parameter waits for its other parts
             var, sharding = params[path], param_sharding(mesh, path)
             shape = var.get_value().shape
-            if sources[path][0][1] is None:
+            if isinstance(nodes[path[:-1]], Experts):
+                parts = [(n, *received[path][n], slots) for n, slots in sources[path]]
+                var.set_value(_to_expert_param(parts, path, shape, param_dtype, sharding))
+            elif sources[path][0][1] is None:
                 var.set_value(_to_param(array, path, shape, model.config, param_dtype, sharding, file))
             else:
                 parts = [(n, *received[path][n], slots) for n, slots in sources[path] if slots is not None]
@@ -273,6 +319,48 @@ def _fill_params(model: CausalLM | EagleHead, model_dir: Path, param_dtype: jnp.
         raise CheckpointError(
             f"{model_dir}: tensor {missing[0]!r}{more} is missing from {', '.join(f.name for f in files)}"
         )
+
+
+def _viewed_tensors(
+    file: Path, tensor_views: TensorViews, config: TransformerConfig
+) -> Iterator[tuple[str, np.ndarray]]:
+    """``file``'s tensors through ``tensor_views``; a tensor the views refuse raises ``CheckpointError``."""
+    for name, array in iter_tensors(file):
+        try:
+            yield from tensor_views(name, array, config)
+        except ValueError as e:
+            raise CheckpointError(f"{file}: {e}") from e
+
+
+def _to_expert_param(
+    parts: list[tuple[str, np.ndarray, Path, int | None]],
+    path: tuple,
+    shape: tuple[int, ...],
+    param_dtype: jnp.dtype,
+    sharding: jax.sharding.Sharding,
+) -> jax.Array:
+    """Stacked experts' parameter of ``shape`` (``[experts, in, slots, width]`` or ``[experts, in, out]``)
+    from every expert's checkpoint tensors (in expert order, ``len(parts) / experts`` each), shape-checked;
+    each device copies only its slice of each."""
+    per_expert = len(parts) // shape[0]
+    views = []
+    for name, array, file, slots in parts:
+        part_shape = shape[1:] if slots is None else (shape[1], slots, shape[-1])
+        hf_shape = (math.prod(part_shape[1:]), shape[1])
+        if array.shape != hf_shape:
+            raise CheckpointError(f"{file}: tensor {name!r} has shape {array.shape}, the model expects {hf_shape}")
+        views.append(array.T.reshape(part_shape))
+    experts = [views[e * per_expert : (e + 1) * per_expert] for e in range(shape[0])]
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        inner = index[1:]
+        shards = []
+        for expert in experts[index[0]]:
+            whole = expert[0] if len(expert) == 1 else np.concatenate(expert, axis=-2)
+            shards.append(np.asarray(whole[inner], dtype=param_dtype))
+        return np.stack(shards)
+
+    return jax.make_array_from_callback(shape, sharding, read)  # pyright: ignore[reportArgumentType]
 
 
 def _to_merged_param(

@@ -17,10 +17,13 @@ _LINEAR_AXES = {  # a Linear's kernel is [in, out...]; its bias [out...]
     "down_proj": ("mlp", "embed"),
     "lm_head": ("embed", "vocab"),
     "fc": (None, "embed"),  # EAGLE's projection of (token embedding, feature)
+    "gate": ("embed", None),  # a mixture-of-experts router: one logit per expert
 }
 _NORM_AXES = {
     "input_layernorm": "embed",
     "post_attention_layernorm": "embed",
+    "pre_feedforward_layernorm": "embed",
+    "post_feedforward_layernorm": "embed",
     "norm": "embed",
     "q_norm": "head_dim",
     "k_norm": "head_dim",
@@ -30,6 +33,8 @@ PARAM_LOGICAL_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     **{(name, "kernel"): axes for name, axes in _LINEAR_AXES.items()},
     **{(name, "bias"): axes[1:] for name, axes in _LINEAR_AXES.items()},
     **{(name, "weight"): (axis,) for name, axis in _NORM_AXES.items()},
+    ("experts", "gate_up_proj"): ("expert", "embed", None, "mlp"),  # [experts, in, 2, features]
+    ("experts", "down_proj"): ("expert", "mlp", "embed"),
     ("self_attn", "k_scale"): (),  # the KV cache scales: one scalar per layer, on every device
     ("self_attn", "v_scale"): (),
 }

@@ -53,4 +53,4 @@ class VisionLanguageLM(CausalLM):
         ids = (self.config.image_token_id, self.config.video_token_id)
         is_vision = jnp.isin(input_ids, jnp.asarray([i for i in ids if i is not None]))
         row = jnp.clip(jnp.cumsum(is_vision) - 1, 0, vision_embeds.shape[0] - 1)
-        return jnp.where(is_vision[:, None], vision_embeds[row], self.model.embed_tokens(input_ids))
+        return jnp.where(is_vision[:, None], vision_embeds[row], self.embed(input_ids))

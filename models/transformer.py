@@ -19,7 +19,6 @@ partitions the rest from the parameters' shardings.
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,10 +29,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxrunner.models.layers import RMSNorm, apply_rope
+from jaxrunner.models import gemma, moe
+from jaxrunner.models.layers import ACTIVATIONS, RMSNorm, apply_rope
 from jaxrunner.models.lora import LoRABatch, LoRALayer, with_lora
+from jaxrunner.models.moe import MoEConfig, SparseMoeBlock
 from jaxrunner.models.mrope import mrope_angles
 from jaxrunner.models.qwen2_vl_vision import VisionConfig
+from jaxrunner.models.rope import Rope, rope_from_params, rope_params
 from jaxrunner.models.sharded_attention import write_and_attend
 from jaxrunner.ops import AttentionBackend, AttentionMetadata
 from jaxrunner.ops.kv_write import is_fp8
@@ -67,22 +69,13 @@ class KVScale(nnx.Variable):
 
 
 @dataclasses.dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1's frequency-dependent RoPE scaling (HF ``rope_type: llama3``)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """The shape and variant flags of a Llama-family decoder.
+    """The shape and variant flags of a decoder of any family read here.
 
     ``layer_types`` (HF's per-layer ``"full_attention"``/``"sliding_attention"``)
     is None when every layer uses ``sliding_window`` (itself None for full
-    attention), as in Llama and Mistral.
+    attention), as in Llama and Mistral. The Gemma flags (``models/gemma.py``) and
+    ``moe`` (``models/moe.py``) default to the Llama family's behaviour.
     """
 
     vocab_size: int
@@ -93,8 +86,9 @@ class TransformerConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
+    rope: Rope = Rope()
+    local_rope: Rope | None = None
+    """The RoPE of sliding-window layers where it differs from ``rope`` (Gemma 3's local base)."""
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -104,6 +98,19 @@ class TransformerConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     hidden_act: str = "silu"
+    norm_weight_offset: float = 0.0
+    """Norms scale by ``offset + weight`` (Gemma's ``1 + weight``)."""
+    sandwich_norms: bool = False
+    """Norms on the attention's and the MLP's outputs too, and one before the MLP (Gemma 2 and 3)."""
+    embed_scale: float | None = None
+    """Token embeddings multiplied by this, rounded to the compute dtype (Gemma: ``sqrt(hidden_size)``)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores scaled by its inverse square root (None: ``head_dim``'s)."""
+    attn_soft_cap: float | None = None
+    final_soft_cap: float | None = None
+    """Attention scores, and the final logits, mapped to ``cap * tanh(x / cap)`` (Gemma 2)."""
+    moe: MoEConfig | None = None
+    """The mixture-of-experts layers' shape (Mixtral, Qwen3-MoE); None: every layer's MLP is dense."""
     mrope_section: tuple[int, ...] | None = None
     """M-RoPE (Qwen2-VL): the head's frequencies cut into (temporal, height, width) runs, each turned by
     its own position row; positions are then ``[3, num_tokens]``. None: plain RoPE of one row."""
@@ -116,8 +123,8 @@ class TransformerConfig:
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (one of {sorted(ACTIVATIONS)})")
         if self.layer_types is not None and (
             len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(_LAYER_TYPES)
         ):
@@ -143,12 +150,25 @@ class TransformerConfig:
             return self.sliding_window
         return None
 
+    def layer_rope(self, layer: int) -> Rope:
+        """The RoPE of ``layer``: ``local_rope`` on a sliding-window layer where set, else ``rope``."""
+        if self.local_rope is not None and self.layer_sliding_window(layer) is not None:
+            return self.local_rope
+        return self.rope
+
+    @property
+    def sm_scale(self) -> float:
+        """What attention scores are multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     @classmethod
-    def from_hf(cls, hf_config: Any) -> "TransformerConfig":
-        """Reads a transformers config of a Llama, Mistral, Qwen2 or Qwen3 model, or of a Qwen2-VL or
-        Qwen2.5-VL model (its language model, M-RoPE and vision tower)."""
+    def from_hf(cls, hf_config: Any, max_model_len: int | None = None) -> "TransformerConfig":
+        """Reads a transformers config of a Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 or 3 (text),
+        Mixtral or Qwen3-MoE model, or of a Qwen2-VL or Qwen2.5-VL model (its language model, M-RoPE and
+        vision tower). ``max_model_len`` (None: ``max_position_embeddings``) is the length served, which
+        picks LongRoPE's factors."""
         if getattr(hf_config, "model_type", None) in VISION_LANGUAGE_TYPES:
-            text = cls.from_hf(hf_config.text_config)
+            text = cls.from_hf(hf_config.text_config, max_model_len)
             return dataclasses.replace(
                 text,
                 tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings)),
@@ -157,7 +177,7 @@ class TransformerConfig:
                 video_token_id=hf_config.video_token_id,
             )
         model_type = getattr(hf_config, "model_type", None)
-        rope_theta, rope_scaling = _rope_from_hf(hf_config)
+        rope, local_rope = _ropes_from_hf(hf_config, max_model_len)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         if model_type in ("qwen2", *VISION_LANGUAGE_TYPES.values()):  # q/k/v biases and no o_proj bias
@@ -171,7 +191,7 @@ class TransformerConfig:
                 sliding_window = None
             elif sliding_window is not None:
                 layer_types = _qwen_layer_types(hf_config)
-        return cls(
+        config = cls(
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
             intermediate_size=hf_config.intermediate_size,
@@ -180,47 +200,41 @@ class TransformerConfig:
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             rms_norm_eps=hf_config.rms_norm_eps,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
+            rope=rope,
+            local_rope=local_rope,
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=sliding_window,
             layer_types=layer_types,
-            hidden_act=hf_config.hidden_act,
+            hidden_act=getattr(hf_config, "hidden_act", None) or getattr(hf_config, "hidden_activation", "silu"),
             mrope_section=_mrope_section(hf_config),
         )
+        if model_type in gemma.MODEL_TYPES:
+            return gemma.with_gemma_fields(config, hf_config)
+        if model_type in moe.MODEL_TYPES:
+            return moe.with_moe_fields(config, hf_config)
+        return config
 
 
-def _rope_params(hf_config: Any) -> dict:
-    """``rope_parameters`` (transformers 5), or the older ``rope_scaling``; empty where neither is set."""
-    return dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-
-
-def _rope_from_hf(hf_config: Any) -> tuple[float, Llama3RopeScaling | None]:
-    """RoPE theta and scaling from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
-    params = _rope_params(hf_config)
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
-    rope_type = params.get("rope_type", params.get("type"))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
-    if rope_type in (None, "default"):
-        return float(theta), None
-    if rope_type == "llama3":
-        return float(theta), Llama3RopeScaling(
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+def _ropes_from_hf(hf_config: Any, max_model_len: int | None) -> tuple[Rope, Rope | None]:
+    """The RoPE of full-attention layers, and that of sliding-window layers where the config gives one
+    per layer type (transformers 5's ``rope_parameters`` keyed by ``full_attention``/``sliding_attention``)."""
+    params = rope_params(hf_config)
+    if "full_attention" in params:
+        local = params.get("sliding_attention")
+        return (
+            rope_from_params(params["full_attention"], hf_config, max_model_len),
+            None if local is None else rope_from_params(local, hf_config, max_model_len),
         )
-    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: 'default', 'llama3')")
+    return rope_from_params(params, hf_config, max_model_len), None
 
 
 def _mrope_section(hf_config: Any) -> tuple[int, ...] | None:
-    section = _rope_params(hf_config).get("mrope_section")
+    section = rope_params(hf_config).get("mrope_section")
     return None if section is None else tuple(int(n) for n in section)
 
 
@@ -233,26 +247,6 @@ def _qwen_layer_types(hf_config: Any) -> tuple[str, ...]:
         "sliding_attention" if i >= hf_config.max_window_layers else "full_attention"
         for i in range(hf_config.num_hidden_layers)
     )
-
-
-def rope_inv_freq(config: TransformerConfig) -> np.ndarray:
-    """The ``head_dim / 2`` inverse RoPE frequencies (float32), with Llama 3 scaling if configured."""
-    exponents = np.arange(0, config.head_dim, 2, dtype=np.float32) / config.head_dim
-    inv_freq = (1.0 / config.rope_theta**exponents).astype(np.float32)
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq
-    # Long wavelengths are slowed by `factor`, short ones kept, the band in between interpolated.
-    wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    interpolated = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    scaled = np.where((wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen), interpolated, scaled)
-    return scaled.astype(np.float32)
 
 
 class MergedProjection(nnx.Module):
@@ -321,11 +315,19 @@ class Attention(nnx.Module):
             param_dtype=param_dtype,
             rngs=rngs,
         )
-        norm = functools.partial(RMSNorm, config.head_dim, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        norm = functools.partial(
+            RMSNorm,
+            config.head_dim,
+            config.rms_norm_eps,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            offset=config.norm_weight_offset,
+        )
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.sliding_window = config.layer_sliding_window(layer)
+        self.sm_scale, self.soft_cap = config.sm_scale, config.attn_soft_cap
         self.mesh = mesh
         self.k_scale = KVScale(jnp.ones((), jnp.float32))
         self.v_scale = KVScale(jnp.ones((), jnp.float32))
@@ -359,9 +361,10 @@ class Attention(nnx.Module):
             metadata,
             mesh=self.mesh,
             backend=attention_backend,
-            sm_scale=self.head_dim**-0.5,
+            sm_scale=self.sm_scale,
             kv_scales=self.kv_scales(k, v, metadata.slot_mapping >= 0) if is_fp8(kv_cache[0].dtype) else None,
             sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
         )
         out = out.reshape(t, self.num_heads * self.head_dim)
         (out,) = with_lora([self.o_proj(out)], lora, "o_proj", out)
@@ -393,7 +396,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))``, SwiGLU with ``silu``, GeGLU with ``gelu_pytorch_tanh``."""
 
     def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.gate_up_proj = MergedProjection(
@@ -414,25 +417,46 @@ class MLP(nnx.Module):
             param_dtype=param_dtype,
             rngs=rngs,
         )
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def __call__(
         self, x: Float[Array, "num_tokens hidden_size"], lora: LoRALayer | None = None
     ) -> Float[Array, "num_tokens hidden_size"]:
         gate, up = with_lora(self.gate_up_proj(x), lora, "gate_up_proj", x)
-        hidden = jax.nn.silu(gate[:, 0]) * up[:, 0]
+        hidden = self.act(gate[:, 0]) * up[:, 0]
         (out,) = with_lora([self.down_proj(hidden)], lora, "down_proj", hidden)
         return out
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    With ``sandwich_norms`` (Gemma), ``x + norm(attn(norm(x)))``, then ``x +
+    norm(mlp(norm(x)))``: HF's ``post_attention_layernorm`` is then the norm of the
+    attention's output, and ``pre_feedforward_layernorm`` the MLP's input norm. A
+    mixture-of-experts layer's ``mlp`` is a :class:`SparseMoeBlock`.
+    """
 
     def __init__(self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None):
-        norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        norm = functools.partial(
+            RMSNorm,
+            config.hidden_size,
+            config.rms_norm_eps,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            offset=config.norm_weight_offset,
+        )
         self.input_layernorm = norm()
         self.self_attn = Attention(config, layer, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.pre_feedforward_layernorm = norm() if config.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if config.sandwich_norms else None
+        if config.moe is not None and layer in config.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(
+                config.hidden_size, config.moe, config.hidden_act, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            )
+        else:
+            self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(
         self,
@@ -446,8 +470,11 @@ class DecoderLayer(nnx.Module):
     ) -> tuple[Float[Array, "num_tokens hidden_size"], KVCache]:
         normed = self.input_layernorm(x)
         attn_out, kv_cache = self.self_attn(normed, cos, sin, kv_cache, metadata, attention_backend, lora)
-        x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x), lora), kv_cache
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            x = x + attn_out
+            return x + self.mlp(self.post_attention_layernorm(x), lora), kv_cache
+        x = x + self.post_attention_layernorm(attn_out)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), lora)), kv_cache
 
 
 class Backbone(nnx.Module):
@@ -458,7 +485,13 @@ class Backbone(nnx.Module):
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
         self.layers = decoder_layers(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.norm = RMSNorm(
+            config.hidden_size,
+            config.rms_norm_eps,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            offset=config.norm_weight_offset,
+        )
 
 
 def decoder_layers(config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None) -> nnx.List:
@@ -483,17 +516,29 @@ def run_layers(
 ) -> tuple[Float[Array, "num_tokens hidden_size"], list[KVCache]]:
     """The decoder layers over ``x`` with RoPE at ``positions`` (M-RoPE's three rows with
     ``config.mrope_section``), and each token's LoRA adapter with ``lora``; and their updated caches."""
-    inv_freq = rope_inv_freq(config)
+    cos_sin: dict[Rope, tuple[jax.Array, jax.Array]] = {}  # one per distinct RoPE, shared by its layers
+    new_caches = []
+    for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+        rope = config.layer_rope(i)
+        if rope not in cos_sin:
+            cos_sin[rope] = rope_cos_sin(rope, config, positions)
+        cos, sin = cos_sin[rope]
+        x, kv_cache = layer(x, cos, sin, kv_cache, metadata, attention_backend, None if lora is None else lora.layer(i))
+        new_caches.append(kv_cache)
+    return x, new_caches
+
+
+def rope_cos_sin(
+    rope: Rope, config: TransformerConfig, positions: Int[Array, " num_tokens"] | Int[Array, "3 num_tokens"]
+) -> tuple[Float[Array, "num_tokens half_head_dim"], Float[Array, "num_tokens half_head_dim"]]:
+    """``rope``'s cos and sin at ``positions`` (M-RoPE's three rows with ``config.mrope_section``), float32."""
+    inv_freq = rope.inv_freq(config.head_dim)
     if config.mrope_section:
         angles = mrope_angles(positions, jnp.asarray(inv_freq), config.mrope_section)
     else:
         angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    new_caches = []
-    for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
-        x, kv_cache = layer(x, cos, sin, kv_cache, metadata, attention_backend, None if lora is None else lora.layer(i))
-        new_caches.append(kv_cache)
-    return x, new_caches
+    factor = rope.attention_factor
+    return jnp.cos(angles) * factor, jnp.sin(angles) * factor
 
 
 def check_tensor_parallel(config: TransformerConfig, tp: int) -> None:
@@ -587,7 +632,7 @@ class CausalLM(nnx.Module):
         x, new_caches = run_layers(
             self.model.layers,
             self.config,
-            self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds,
+            self.embed(input_ids) if inputs_embeds is None else inputs_embeds,
             positions,
             kv_caches,
             metadata,
@@ -595,6 +640,13 @@ class CausalLM(nnx.Module):
             lora,
         )
         return self.model.norm(x), new_caches
+
+    def embed(self, input_ids: Int[Array, " num_tokens"]) -> Float[Array, "num_tokens hidden_size"]:
+        """The token embeddings, times ``config.embed_scale`` (rounded to the compute dtype, as HF's Gemma)."""
+        x = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale is None:
+            return x
+        return x * jnp.asarray(self.config.embed_scale, x.dtype)
 
     def compute_logits(self, hidden: Float[Array, "num_rows hidden_size"]) -> Float[Array, "num_rows vocab_size"]:
         """Vocabulary logits (through the embedding when tied), whole on every device.
@@ -616,4 +668,6 @@ class CausalLM(nnx.Module):
             # samplers read whole rows (and no device gathers the whole weight).
             logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, RULES.spec((None, "vocab"))))
             logits = jax.lax.with_sharding_constraint(logits, replicated(self.mesh))
-        return logits[:, : self.config.vocab_size].astype(jnp.float32)
+        logits = logits[:, : self.config.vocab_size].astype(jnp.float32)
+        cap = self.config.final_soft_cap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)

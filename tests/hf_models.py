@@ -34,12 +34,57 @@ _LLAMA3_ROPE = dict(
     original_max_position_embeddings=64,
 )
 
+# LongRoPE at head_dim 16: distinct short and long factors, extended 8x from 64 positions.
+_LONGROPE = dict(
+    rope_type="longrope",
+    rope_theta=10000.0,
+    short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+    long_factor=[1.0, 1.5, 2.4, 3.9, 6.0, 9.5, 14.0, 20.0],
+)
+_SPECIAL_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
+
 ARCHS: dict[str, tuple[type[transformers.PretrainedConfig], dict]] = {
     "llama": (transformers.LlamaConfig, {}),
     "llama3": (transformers.LlamaConfig, {"rope_parameters": _LLAMA3_ROPE}),
     "mistral": (transformers.MistralConfig, {"sliding_window": 8}),
     "qwen2": (transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3Config, {}),
+    "phi3": (
+        transformers.Phi3Config,
+        {**_SPECIAL_TOKENS, "rope_parameters": _LONGROPE, "original_max_position_embeddings": 64},
+    ),
+    # Soft caps low enough, and a query scalar other than head_dim, that each shows in the logits.
+    "gemma2": (
+        transformers.Gemma2Config,
+        {
+            **_SPECIAL_TOKENS,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 6,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 5.0,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # Local layers with their own RoPE base; the global layer's linearly scaled.
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        {
+            **_SPECIAL_TOKENS,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 4.0},
+            },
+        },
+    ),
+    "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Layer 1 dense, the others 6 experts of which 2 are taken, weights not renormalised.
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "mlp_only_layers": [1]},
+    ),
 }
 """Preset name -> (HF config class, preset overrides of the shared tiny shape)."""
 

@@ -26,7 +26,17 @@ CASES = {
     "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}, None),
     "qwen3": ("qwen3", {}, None),
     "llama-tied-sharded": ("llama", {"tie_word_embeddings": True}, "100KB"),
+    "phi3-short-rope": ("phi3", {}, None),
+    "phi3-long-rope": ("phi3", {"original_max_position_embeddings": 4}, None),
+    "gemma2": ("gemma2", {}, None),
+    "gemma3": ("gemma3", {}, None),
+    "mixtral": ("mixtral", {}, None),
+    "qwen3-moe": ("qwen3_moe", {}, None),
 }
+SERVED_LENGTH = {"phi3-short-rope": 64}
+"""``max_model_len`` of a case served shorter than the model's positions: LongRoPE then takes its short
+factors, as transformers does for prompts within ``original_max_position_embeddings``. The long case's
+prompts all pass that length, so transformers takes the long factors, as served at full length."""
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -72,7 +82,7 @@ def random_prompts(vocab_size: int, lens: list[int], seed: int) -> list[list[int
 def test_prompt_logits_match_transformers(case, tmp_path):
     arch, overrides, shard_size = CASES[case]
     hf_config = save_tiny_hf_model(arch, tmp_path, max_shard_size=shard_size, **overrides)
-    model, config = load_model(tmp_path)
+    model, config = load_model(tmp_path, max_model_len=SERVED_LENGTH.get(case))
     prompts = random_prompts(config.vocab_size, PROMPT_LENS, seed=1)
     metadata, positions = packed_metadata(
         PROMPT_LENS, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, num_tokens=NUM_TOKENS, num_reqs=NUM_REQS

@@ -379,7 +379,13 @@ class ModelRunner:
         """A checkpoint directory's model, or a built-in's with random weights from the engine's seed."""
         from jaxrunner.models.builtin import load_named_model
 
-        return load_named_model(name, dtype=self.model_config.dtype, seed=self.model_config.seed, mesh=self.mesh)
+        return load_named_model(
+            name,
+            dtype=self.model_config.dtype,
+            seed=self.model_config.seed,
+            mesh=self.mesh,
+            max_model_len=self.model_config.max_model_len,
+        )
 
     def profile_run(self) -> ActivationPeak:
         """The activation peak of the largest steps, run once on dummy inputs (``CompilationManager.profile_run``)."""

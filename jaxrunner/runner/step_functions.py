@@ -349,7 +349,7 @@ def embed_with_encoder_outputs(
     """The step's input embeddings: each image placeholder's encoder output (its row of the encoder
     cache), every other token's embedding."""
     from_encoder = encoder_cache.at[encoder_rows].get(mode="fill", fill_value=0)
-    return jnp.where((encoder_rows >= 0)[:, None], from_encoder, model.model.embed_tokens(input_ids))
+    return jnp.where((encoder_rows >= 0)[:, None], from_encoder, model.embed(input_ids))
 
 
 def encode_image(

@@ -53,9 +53,7 @@ class EagleDrafter(DeviceDrafter):
             metadata.block_tables,
             jnp.where(last, -1, metadata.slot_mapping),
         )
-        _, kv_caches = module(
-            target.model.embed_tokens(next_ids), hidden, positions, kv_caches, skip_last, attention_backend
-        )
+        _, kv_caches = module(target.embed(next_ids), hidden, positions, kv_caches, skip_last, attention_backend)
         return kv_caches
 
     def propose(
@@ -76,7 +74,7 @@ class EagleDrafter(DeviceDrafter):
         """Greedy drafts from each row's last token (at ``positions``) and the feature before it."""
 
         def step(tokens, feats, metadata, pos, caches):
-            embedded = target.model.embed_tokens(tokens)
+            embedded = target.embed(tokens)
             predicted, caches = module(embedded, feats, pos, caches, metadata, attention_backend)
             return target.compute_logits(predicted), predicted, caches
 
