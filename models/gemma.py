@@ -14,25 +14,20 @@ The decoder (``models/transformer.py``) runs them with these flags:
   RoPE base (``rope_parameters["sliding_attention"]``, read with the rest of the RoPE).
 """
 
-import dataclasses
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from jaxrunner.models.transformer import TransformerConfig
+from typing import Any
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
 """HF ``model_type`` of the Gemma configs read here."""
 
 
-def with_gemma_fields(config: "TransformerConfig", hf_config: Any) -> "TransformerConfig":
-    """``config`` (read as a Llama-family decoder) with the Gemma fields of ``hf_config``."""
+def gemma_fields(hf_config: Any) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields a Gemma config sets beyond those of the Llama family."""
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention is not supported: the decoder attends causally")
-    return dataclasses.replace(
-        config,
+    return dict(
         norm_weight_offset=1.0,
         sandwich_norms=True,
-        embed_scale=config.hidden_size**0.5,
+        embed_scale=hf_config.hidden_size**0.5,
         query_pre_attn_scalar=float(hf_config.query_pre_attn_scalar),
         attn_soft_cap=_cap(hf_config.attn_logit_softcapping),
         final_soft_cap=_cap(hf_config.final_logit_softcapping),

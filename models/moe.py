@@ -16,7 +16,7 @@ parameters (:data:`EXPERT_PARTS`).
 import dataclasses
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +25,6 @@ from jaxtyping import Array, Float, Int
 
 from jaxrunner.models.layers import ACTIVATIONS
 from jaxrunner.ops.grouped_matmul import grouped_matmul
-
-if TYPE_CHECKING:
-    from jaxrunner.models.transformer import TransformerConfig
 
 MODEL_TYPES = ("mixtral", "qwen3_moe")
 """HF ``model_type`` of the mixture-of-experts configs read here."""
@@ -52,8 +49,9 @@ class MoEConfig:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, num_experts {self.num_experts}]")
 
 
-def with_moe_fields(config: "TransformerConfig", hf_config: Any) -> "TransformerConfig":
-    """``config`` (read as a Llama-family decoder) with the experts of ``hf_config``."""
+def moe_config(hf_config: Any) -> MoEConfig:
+    """The experts of a Mixtral or Qwen3-MoE config."""
+    num_layers = hf_config.num_hidden_layers
     num_experts = getattr(hf_config, "num_local_experts", None) or hf_config.num_experts
     if hf_config.model_type == "mixtral":
         moe = MoEConfig(
@@ -61,7 +59,7 @@ def with_moe_fields(config: "TransformerConfig", hf_config: Any) -> "Transformer
             top_k=hf_config.num_experts_per_tok,
             intermediate_size=hf_config.intermediate_size,
             renormalize=True,
-            sparse_layers=tuple(range(config.num_layers)),
+            sparse_layers=tuple(range(num_layers)),
         )
     else:  # qwen3_moe: every decoder_sparse_step-th layer, less mlp_only_layers
         dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
@@ -71,9 +69,9 @@ def with_moe_fields(config: "TransformerConfig", hf_config: Any) -> "Transformer
             top_k=hf_config.num_experts_per_tok,
             intermediate_size=hf_config.moe_intermediate_size,
             renormalize=bool(hf_config.norm_topk_prob),
-            sparse_layers=tuple(i for i in range(config.num_layers) if i not in dense and (i + 1) % step == 0),
+            sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
         )
-    return dataclasses.replace(config, moe=moe)
+    return moe
 
 
 _MIXTRAL_NAMES = (

@@ -214,9 +214,9 @@ class TransformerConfig:
             mrope_section=_mrope_section(hf_config),
         )
         if model_type in gemma.MODEL_TYPES:
-            return gemma.with_gemma_fields(config, hf_config)
+            return dataclasses.replace(config, **gemma.gemma_fields(hf_config))
         if model_type in moe.MODEL_TYPES:
-            return moe.with_moe_fields(config, hf_config)
+            return dataclasses.replace(config, moe=moe.moe_config(hf_config))
         return config
 
 
