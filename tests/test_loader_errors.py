@@ -179,6 +179,31 @@ def test_unsupported_rope_type_is_named():
         TransformerConfig.from_hf(hf_config)
 
 
+@pytest.mark.parametrize(
+    ("arch", "overrides", "field"),
+    [
+        ("gemma2", {"hidden_activation": "relu"}, "hidden_act"),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor",
+        ),
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ],
+)
+def test_unsupported_fields_are_named(arch, overrides, field):
+    with pytest.raises(ValueError, match=field):
+        TransformerConfig.from_hf(tiny_hf_config(arch, **overrides))
+
+
+def test_a_fused_tensor_of_the_wrong_length_is_named(tmp_path):
+    save_tiny_hf_model("phi3", tmp_path)
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    rewrite_tensors(tmp_path / "model.safetensors", lambda t: t.update({name: t[name][:-16]}))
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors.*{re.escape(name)}.*rows"):
+        load_model(tmp_path)
+
+
 def test_qwen_sliding_window_only_when_enabled():
     off = TransformerConfig.from_hf(tiny_hf_config("qwen2", sliding_window=6))
     on = TransformerConfig.from_hf(

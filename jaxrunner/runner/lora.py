@@ -53,6 +53,14 @@ def check_lora_support(config: RunnerConfig) -> None:
         )
 
 
+def check_lora_model_support(config: RunnerConfig, arch: TransformerConfig) -> None:
+    """Refuse, once the model is known, a model whose layers LoRA does not reach yet."""
+    if config.lora_config is not None and arch.moe is not None:
+        raise NotImplementedError(
+            "LoRA adapters on a mixture-of-experts model are not supported yet: serve it without enable_lora."
+        )
+
+
 class AdapterCache:
     """Adapters read from disk, the ``capacity`` most recently used kept in host memory (``max_cpu_loras``)."""
 

@@ -71,7 +71,7 @@ from jaxrunner.runner.input_batch import InputBatch, SampleRows, pack_step_buffe
 from jaxrunner.runner.kv_cache import KVCaches, KVCacheSpec, MemoryBudget, allocate_kv_caches, size_kv_cache
 from jaxrunner.runner.kv_connector.factory import make_kv_connector
 from jaxrunner.runner.kv_connector.mover import CompiledBlockMover
-from jaxrunner.runner.lora import LORA_OFF, LoRASlots, check_lora_support
+from jaxrunner.runner.lora import LORA_OFF, LoRASlots, check_lora_model_support, check_lora_support
 from jaxrunner.runner.prompt_logprobs import PromptLogprobs
 from jaxrunner.runner.spec_decode.draft_model import DraftModel
 from jaxrunner.runner.spec_decode.drafter import Drafter
@@ -180,6 +180,7 @@ class ModelRunner:
                     raise ValueError("ModelConfig.model names no checkpoint directory, and no model was given.")
                 model = self._load_named(self.model_config.model)
             check_multimodal_support(self.config, model.config)
+            check_lora_model_support(self.config, model.config)
             self.model = model
             self.model_arch: TransformerConfig = model.config
             self.vocab_size = self.model_arch.vocab_size
