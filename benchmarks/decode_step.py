@@ -24,6 +24,11 @@ With ``--loras N`` every case runs again on a runner with N random adapters of
 them) beside the same weights: each step's time over the plain runner's is the
 cost of LoRA serving.
 
+With ``--shape qwen3-30b-a3b`` (mixture of experts) the floor counts the experts a batch of random
+tokens touches (``1 - (1 - top_k / experts) ** batch`` of each layer's, their expected share), and the
+roofline each token's ``top_k`` experts' FLOPs. With ``--shape gemma3-12b`` a sliding-window layer's
+floor counts only the window's keys and values.
+
 With ``--shape llama3-8b-narrow`` (the 8B's layers, heads and vocabulary with
 narrow matrices) the step's floor is tiny and its time is the fixed cost every
 step pays. ``--shape tiny`` runs on a CPU in seconds (the test suite's check).
@@ -122,13 +127,40 @@ def traced_timeline(
     return summarize(device, steps * steps_per_round(runner) + 1, host=host)
 
 
-def matmul_weights(runner: ModelRunner) -> tuple[int, int]:
+def matmul_weights(runner: ModelRunner) -> tuple[int, int, int, int]:
     """(bytes, parameters) of the weight matrices every step multiplies its rows by: all matrices but an
-    untied embedding table, of which a step reads only its tokens' rows."""
+    untied embedding table, of which a step reads only its tokens' rows; then (bytes, parameters) of
+    those that are experts (0, 0 for a dense model)."""
     tied = runner.model_arch.tie_word_embeddings
     leaves = jax.tree_util.tree_flatten_with_path(runner.params)[0]
-    matrices = [x for path, x in leaves if x.ndim >= 2 and (tied or "embed_tokens" not in jax.tree_util.keystr(path))]
-    return sum(x.size * x.dtype.itemsize for x in matrices), sum(x.size for x in matrices)
+    named = [(jax.tree_util.keystr(path), x) for path, x in leaves if x.ndim >= 2]
+    matrices = [x for name, x in named if tied or "embed_tokens" not in name]
+    experts = [x for name, x in named if "experts" in name]
+    return (
+        sum(x.size * x.dtype.itemsize for x in matrices),
+        sum(x.size for x in matrices),
+        sum(x.size * x.dtype.itemsize for x in experts),
+        sum(x.size for x in experts),
+    )
+
+
+def step_bytes_and_flops(runner: ModelRunner, batch: int, context: int, weight_bytes: int, matmul) -> dict:
+    """What a decode step of ``batch`` requests at ``context`` must read and compute: the weights (only the
+    experts the batch touches, expected for uniform routing), the matrices' bytes and FLOPs (each token's
+    ``top_k`` experts only), and the KV (only a sliding-window layer's window)."""
+    arch = runner.model_arch
+    matmul_bytes, matmul_params, expert_bytes, expert_params = matmul
+    if arch.moe is not None:
+        touched = 1 - (1 - arch.moe.top_k / arch.moe.num_experts) ** batch
+        untouched = expert_bytes * (1 - touched)
+        weight_bytes, matmul_bytes = weight_bytes - untouched, matmul_bytes - untouched
+        matmul_params = matmul_params - expert_params * (1 - arch.moe.top_k / arch.moe.num_experts)
+    per_layer_token = runner.kv_cache_spec.bytes_per_block / runner.block_size / arch.num_layers
+    keys = [min(context + 1, arch.layer_sliding_window(i) or context + 1) for i in range(arch.num_layers)]
+    kv_bytes = batch * sum(keys) * per_layer_token
+    return dict(
+        weight_bytes=weight_bytes, matmul_bytes=matmul_bytes, flops=2 * batch * matmul_params, kv_bytes=kv_bytes
+    )
 
 
 def measure_case(
@@ -139,7 +171,7 @@ def measure_case(
     rng,
     floors: dict,
     weight_bytes: int,
-    matmul: tuple[int, int],
+    matmul: tuple[int, int, int, int],
     adapters=(),
 ) -> dict:
     """One batch x context: step times one round at a time and pipelined, against the bandwidth floor and
@@ -152,13 +184,12 @@ def measure_case(
     """
     one_at_a_time = median_step(time_decode(runner, batch, context, args.steps, rng, False, adapters))
     step = median_step(time_decode(runner, batch, context, args.steps, rng, True, adapters))
-    kv_bytes = batch * (context + 1) * runner.kv_cache_spec.bytes_per_block / runner.block_size
+    need = step_bytes_and_flops(runner, batch, context, weight_bytes, matmul)
     # Each of the TP devices reads its share of the weights and KV at the copy rate.
     devices = args.tensor_parallel_size
-    floor = (weight_bytes + kv_bytes) / (floors["copy_bytes_per_s"] * devices)
-    matmul_bytes, matmul_params = matmul
-    gemms = max(matmul_bytes / floors["copy_bytes_per_s"], 2 * batch * matmul_params / floors["matmul_flops_per_s"])
-    roofline = (gemms + kv_bytes / floors["copy_bytes_per_s"]) / devices
+    floor = (need["weight_bytes"] + need["kv_bytes"]) / (floors["copy_bytes_per_s"] * devices)
+    gemms = max(need["matmul_bytes"] / floors["copy_bytes_per_s"], need["flops"] / floors["matmul_flops_per_s"])
+    roofline = (gemms + need["kv_bytes"] / floors["copy_bytes_per_s"]) / devices
     row = dict(
         batch=batch,
         context=context,

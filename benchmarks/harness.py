@@ -42,7 +42,9 @@ from jaxrunner.interfaces import (
 from jaxrunner.lora.request import LoRARequest
 from jaxrunner.models import CausalLM, TransformerConfig, init_random_model
 from jaxrunner.models.builtin import BUILTIN_MODELS
+from jaxrunner.models.moe import MoEConfig
 from jaxrunner.models.random_lora import save_random_lora_adapter
+from jaxrunner.models.rope import LinearRopeScaling, Rope
 from jaxrunner.roofline import copy_bytes_per_s, median_seconds
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.sharding import make_mesh
@@ -66,6 +68,44 @@ SHAPES: dict[str, TransformerConfig] = {
     ),
     # The built-in tiny-llama's shape: every script runs at toy size on a CPU with it (the test suite does).
     "tiny": BUILTIN_MODELS["tiny-llama"],
+    # Qwen3-30B-A3B: 48 layers of 128 experts, 8 taken a token (renormalised), q/k norms.
+    "qwen3-30b-a3b": TransformerConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rope=Rope(1000000.0),
+        max_position_embeddings=40960,
+        qk_norm=True,
+        moe=MoEConfig(
+            num_experts=128, top_k=8, intermediate_size=768, renormalize=True, sparse_layers=tuple(range(48))
+        ),
+    ),
+    # Gemma-3-12B (text): 48 layers, 5 local (1024-token window, RoPE base 10k) to 1 global (1M, linear 8x).
+    "gemma3-12b": TransformerConfig(
+        vocab_size=262208,
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_layers=48,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        rope=Rope(1000000.0, LinearRopeScaling(8.0)),
+        local_rope=Rope(10000.0),
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        sliding_window=1024,
+        layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)),
+        hidden_act="gelu_pytorch_tanh",
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        embed_scale=3840**0.5,
+        query_pre_attn_scalar=256.0,
+    ),
 }
 
 

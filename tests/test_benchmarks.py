@@ -152,6 +152,19 @@ COMMANDS = {
         "--out",
         "{out}",
     ],
+    "moe_matmul": [
+        "--tokens",
+        "1",
+        "4",
+        "--scale",
+        "16",
+        "--repeats",
+        "2",
+        "--floor-elements",
+        "65536",
+        "--out",
+        "{out}",
+    ],
     "vl_serving": [
         "--shape",
         "tiny",
@@ -295,6 +308,14 @@ def test_kv_offload_loads_the_evicted_documents_with_the_same_tokens(runs):
     assert result["same_tokens"] and offloading["loaded_tokens"] > 0
     assert offloading["computed_tokens"] == none["computed_tokens"] - offloading["loaded_tokens"]
     assert result["ttft_offloading_over_recompute"] > 0 and result["noop_over_none_wall"] > 0
+
+
+def test_moe_matmul_times_every_way_against_the_touched_experts(runs):
+    result = result_of(runs, "moe_matmul")
+    assert_stamped(result)
+    for row in result["rows"]:
+        assert 0 < row["experts_touched"] <= min(result["num_experts"], row["tokens"] * result["top_k"])
+        assert all(row[f"{way}_ms"] > 0 for way in ("grouped", "per_expert_loop", "gathered"))
 
 
 def test_vl_serving_runs_both_sides_on_images(runs):
