@@ -3,7 +3,8 @@
 ``results/latest/`` holds the newest recorded run of each measurement and
 ``sources.json``, which says for each file what it measures (``decode:BxC``,
 ``attention``, ``attention_fp8``, ``prefill``, ``throughput``, ``host_share``,
-``bound:bf16``, ``bound:fp8``, ``lora``, ``images``, ``kv_offload``, ...), where, when,
+``bound:bf16``, ``bound:fp8``, ``lora``, ``images``, ``kv_offload``, ``moe_matmul``,
+``gemma3-12b:BxC``, ...), where, when,
 on which commit and with which command. For each figure the table takes the
 last file in ``sources.json`` that measures it, and gives the figure as a
 ratio to the floor or peer measured in the same run. To record a new run, copy
@@ -37,6 +38,8 @@ THROUGHPUT_WORKLOAD = "256x1000/1000"
 BOUND_WORKLOAD = "1000x1000/1000"
 LORA_CASES = [(1, 1024), (64, 1024)]
 IMAGES_WORKLOAD = "64 requests x one 1024x1024 image, 128 output tokens"
+FAMILY_DECODE_CASES = [("gemma3-12b", "Gemma-3-12B", 1, 1024), ("gemma3-12b", "Gemma-3-12B", 64, 1024)]
+MOE_MATMUL_TOKENS = (1, 64)
 
 
 def load_sources(latest: Path = LATEST) -> list[dict]:
@@ -65,6 +68,16 @@ def decode_figure(source: dict, batch: int, context: int) -> tuple[str, str]:
         ratio = row["ratio"]
     roofline = f" (roofline {row['roofline_floor_ms']:.2f} ms)" if "roofline_floor_ms" in row else ""
     return f"{ratio:.2f}x", f"{row['step_ms']:.2f} ms a step, floor {row['floor_ms']:.2f} ms{roofline}"
+
+
+def moe_matmul_figure(source: dict, tokens: int) -> tuple[str, str]:
+    """One MoE layer's expert products (the model's grouped path) over the touched experts' copy floor."""
+    row = next(r for r in source["data"]["rows"] if r["tokens"] == tokens)
+    return (
+        f"{row['grouped_ratio']:.2f}x",
+        f"{row['grouped_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms ({row['experts_touched']} experts); "
+        f"per-expert loop {row['per_expert_loop_ms']:.3f} ms, gathered {row['gathered_ms']:.3f} ms",
+    )
 
 
 def attention_case(source: dict, kind: str, batch: int, context: int) -> dict:
@@ -269,6 +282,23 @@ def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
         ),
         ("KV connector hooks (no-op connector) / none, the same run", "kv_offload", noop_connector_figure),
     ]
+    for shape, name, batch, context in FAMILY_DECODE_CASES:
+        wanted.append(
+            (
+                f"{name} shape decode step / bandwidth floor, batch {batch} x {size(context)}",
+                f"{shape}:{batch}x{context}",
+                lambda s, b=batch, c=context: decode_figure(s, b, c),
+            )
+        )
+    for tokens in MOE_MATMUL_TOKENS:
+        wanted.append(
+            (
+                f"Qwen3-30B-A3B MoE layer's experts, {tokens} token{'s' if tokens > 1 else ''}: time / touched "
+                "experts' bytes at the copy rate",
+                "moe_matmul",
+                lambda s, t=tokens: moe_matmul_figure(s, t),
+            )
+        )
     rows = []
     for label, measure, figure in wanted:
         source = newest(sources, measure)
