@@ -7,10 +7,12 @@ slot (-1: the base model alone). A projection ``W`` then computes, for every tok
 
 The product is dense over slots and over the modules of one merged projection
 (``LORA_GROUPS``: q/k/v, gate/up, which read the same input): ``x`` times every
-slot's and module's ``A`` at once (``A`` stored ``[in, module, slot, rank]``, one
-matmul), the tokens' one-hot slot mask, then every slot's ``B`` at once (stored
-block-diagonal over modules, ``[module, slot, rank, out]``, one matmul whose output
-holds every module's columns). Two matmuls of static shape per merged projection,
+slot's and module's ``A`` at once (``A`` stored ``[module, slot, rank, in]``, one
+matmul contracting the last axes of both, which at one row ran in half the time
+of ``[in, ...]``: ``benchmarks/decisions/lora_product.md``), the tokens' one-hot
+slot mask, then every slot's ``B`` at once (stored block-diagonal over modules,
+``[module, slot, rank, out]``, one matmul whose output holds every module's
+columns). Two matmuls of static shape per merged projection,
 whatever the batch mixes: one program serves any assignment of adapters to tokens
 and nothing compiles when adapters are loaded or swapped. Ranks below
 ``max_lora_rank`` are zero-padded.
@@ -35,8 +37,8 @@ LORA_GROUPS: dict[str, tuple[str, ...]] = {
 """The model's projections that carry LoRA, each with the HF Linears (modules) it merges, in order."""
 LORA_MODULES = tuple(module for modules in LORA_GROUPS.values() for module in modules)
 """The projections an adapter may target, by HF's names."""
-A_SLOT_AXIS = 2
-"""The slot axis of ``LoRAWeights.a``'s arrays, ``[in_features, modules, max_loras, max_lora_rank]``."""
+A_SLOT_AXIS = 1
+"""The slot axis of ``LoRAWeights.a``'s arrays, ``[modules, max_loras, max_lora_rank, in_features]``."""
 B_SLOT_AXIS = 1
 """The slot axis of ``LoRAWeights.b``'s arrays, ``[modules, max_loras, max_lora_rank, out_features]``."""
 
@@ -45,12 +47,12 @@ B_SLOT_AXIS = 1
 @dataclasses.dataclass(frozen=True)
 class LoRAWeights:
     """Every slot's adapter weights, per merged projection (``LORA_GROUPS``' keys) and layer: ``a``
-    ``[in_features, modules, max_loras, max_lora_rank]`` and ``b`` ``[modules, max_loras, max_lora_rank,
+    ``[modules, max_loras, max_lora_rank, in_features]`` and ``b`` ``[modules, max_loras, max_lora_rank,
     out_features]``, whose ``out_features`` are every module's outputs one after another and each module's
     rows are zero outside its own columns. One array per layer, so that a layer's matmuls read it whole
     (a slice of a stack of layers would be copied out first)."""
 
-    a: dict[str, list[Float[Array, "in_features modules max_loras max_lora_rank"]]]
+    a: dict[str, list[Float[Array, "modules max_loras max_lora_rank in_features"]]]
     b: dict[str, list[Float[Array, "modules max_loras max_lora_rank out_features"]]]
     widths: tuple[tuple[str, int], ...] = dataclasses.field(metadata=dict(static=True))
     """Each module's ``out_features``, by name: where its columns lie in its projection's ``b``."""
@@ -70,7 +72,7 @@ class LoRAWeights:
         a, b = {}, {}
         for group, modules in _groups(shapes).items():
             in_features, outputs = shapes[modules[0]][0], sum(shapes[m][1] for m in modules)
-            a_shape = (in_features, len(modules), max_loras, max_lora_rank)
+            a_shape = (len(modules), max_loras, max_lora_rank, in_features)
             a[group] = [jnp.zeros(a_shape, dtype) for _ in range(num_layers)]
             b[group] = [jnp.zeros((len(modules), max_loras, max_lora_rank, outputs), dtype) for _ in range(num_layers)]
         widths = tuple((m, shapes[m][1]) for modules in _groups(shapes).values() for m in modules)
@@ -97,7 +99,7 @@ def adapter_arrays(
     weights: Mapping[tuple[int, str], tuple[np.ndarray, np.ndarray]], like: LoRAWeights
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """One adapter's ``(layer, module) -> (a [in, r], b [r, out])`` as one slot of ``like`` (float32):
-    per merged projection, ``a`` ``[num_layers, in_features, modules, max_lora_rank]`` and ``b``
+    per merged projection, ``a`` ``[num_layers, modules, max_lora_rank, in_features]`` and ``b``
     ``[num_layers, modules, max_lora_rank, out_features]``, each module's ``b`` in its own columns; zero
     where the adapter has no weights and past its rank."""
     a_shapes, b_shapes = like.one_slot()
@@ -106,7 +108,7 @@ def adapter_arrays(
     for (layer, module), (a_part, b_part) in weights.items():
         group, index, columns = _place(like, module)
         rank = a_part.shape[1]
-        a[group][layer, :, index, :rank] = a_part
+        a[group][layer, index, :rank, :] = a_part.T
         b[group][layer, index, :rank, columns] = b_part
     return a, b
 
@@ -124,7 +126,7 @@ def _place(weights: LoRAWeights, module: str) -> tuple[str, int, slice]:
 def set_slot(
     weights: LoRAWeights,
     slot: Int[Array, ""],
-    a: Mapping[str, Float[Array, "num_layers in_features modules max_lora_rank"]],
+    a: Mapping[str, Float[Array, "num_layers modules max_lora_rank in_features"]],
     b: Mapping[str, Float[Array, "num_layers modules max_lora_rank out_features"]],
 ) -> LoRAWeights:
     """``weights`` with slot ``slot`` holding ``a`` and ``b`` (a traced slot: one program for every slot)."""
@@ -144,7 +146,7 @@ def set_slot(
 class LoRALayer:
     """One layer's slots and the step's tokens' slot mask, what the layer's projections add with."""
 
-    a: dict[str, Float[Array, "in_features modules max_loras max_lora_rank"]]
+    a: dict[str, Float[Array, "modules max_loras max_lora_rank in_features"]]
     b: dict[str, Float[Array, "modules max_loras max_lora_rank out_features"]]
     token_mask: Float[Array, "num_tokens max_loras"]
 
@@ -152,8 +154,8 @@ class LoRALayer:
         """``B_s A_s x_t`` of every module of ``group`` for each token ``t`` of slot ``s`` (zero for the base
         model's tokens), the modules' outputs one after another."""
         a, b = self.a[group].astype(x.dtype), self.b[group].astype(x.dtype)
-        in_features, modules, slots, rank = a.shape
-        shrunk = jnp.dot(x, a.reshape(in_features, -1)).reshape(-1, modules, slots, rank)
+        modules, slots, rank, in_features = a.shape
+        shrunk = jnp.einsum("ti,ni->tn", x, a.reshape(-1, in_features)).reshape(-1, modules, slots, rank)
         shrunk = shrunk * self.token_mask.astype(x.dtype)[:, None, :, None]
         return jnp.dot(shrunk.reshape(x.shape[0], -1), b.reshape(-1, b.shape[-1]))
 
