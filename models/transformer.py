@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxrunner.models import gemma, moe
+from jaxrunner.models.kv_cache_groups import KVCacheGroups
 from jaxrunner.models.layers import ACTIVATIONS, RMSNorm, apply_rope
 from jaxrunner.models.lora import LoRABatch, LoRALayer, with_lora
 from jaxrunner.models.moe import MoEConfig, SparseMoeBlock
@@ -510,22 +511,37 @@ def run_layers(
     x: Float[Array, "num_tokens hidden_size"],
     positions: Int[Array, " num_tokens"] | Int[Array, "3 num_tokens"],
     kv_caches: list[KVCache],
-    metadata: AttentionMetadata,
+    metadata: AttentionMetadata | tuple[AttentionMetadata, ...],
     attention_backend: AttentionBackend | None = None,
     lora: LoRABatch | None = None,
+    kv_cache_groups: KVCacheGroups | None = None,
 ) -> tuple[Float[Array, "num_tokens hidden_size"], list[KVCache]]:
     """The decoder layers over ``x`` with RoPE at ``positions`` (M-RoPE's three rows with
-    ``config.mrope_section``), and each token's LoRA adapter with ``lora``; and their updated caches."""
+    ``config.mrope_section``), and each token's LoRA adapter with ``lora``; and their updated caches.
+
+    With ``kv_cache_groups``, ``kv_caches`` holds one cache per tensor and ``metadata`` one per group:
+    each layer reads and writes its tensor (after the layers before it that share it) with its group's.
+    Without, one cache per layer and one metadata for all.
+    """
     cos_sin: dict[Rope, tuple[jax.Array, jax.Array]] = {}  # one per distinct RoPE, shared by its layers
-    new_caches = []
-    for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+    caches = list(kv_caches)
+    if kv_cache_groups is None and len(caches) != len(layers):
+        raise ValueError(f"{len(caches)} KV caches for {len(layers)} layers")
+    for i, layer in enumerate(layers):
         rope = config.layer_rope(i)
         if rope not in cos_sin:
             cos_sin[rope] = rope_cos_sin(rope, config, positions)
         cos, sin = cos_sin[rope]
-        x, kv_cache = layer(x, cos, sin, kv_cache, metadata, attention_backend, None if lora is None else lora.layer(i))
-        new_caches.append(kv_cache)
-    return x, new_caches
+        if kv_cache_groups is None:
+            t, layer_metadata = i, metadata
+        else:
+            t = kv_cache_groups.layer_tensor(i)
+            layer_metadata = metadata[kv_cache_groups.layer_group(i)] if isinstance(metadata, tuple) else metadata
+        if not isinstance(layer_metadata, AttentionMetadata):
+            raise TypeError("one AttentionMetadata per KV-cache group goes with kv_cache_groups")
+        layer_lora = None if lora is None else lora.layer(i)
+        x, caches[t] = layer(x, cos, sin, caches[t], layer_metadata, attention_backend, layer_lora)
+    return x, caches
 
 
 def rope_cos_sin(
@@ -616,10 +632,11 @@ class CausalLM(nnx.Module):
         input_ids: Int[Array, " num_tokens"],
         positions: Int[Array, " num_tokens"] | Int[Array, "3 num_tokens"],
         kv_caches: list[KVCache],
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata | tuple[AttentionMetadata, ...],
         attention_backend: AttentionBackend | None = None,
         lora: LoRABatch | None = None,
         inputs_embeds: Float[Array, "num_tokens hidden_size"] | None = None,
+        kv_cache_groups: KVCacheGroups | None = None,
     ) -> tuple[Float[Array, "num_tokens hidden_size"], list[KVCache]]:
         """Hidden states after the final norm, and every layer's updated KV cache.
 
@@ -628,6 +645,8 @@ class CausalLM(nnx.Module):
         ``lora`` adds each token's LoRA adapter to every projection it targets.
         ``inputs_embeds`` (vLLM's) replaces the token embeddings of ``input_ids``, as a
         vision-language model gives them with its images' embeddings in place.
+        ``kv_cache_groups`` (with ``metadata`` one per group) lays the caches out as
+        :func:`run_layers` says.
         """
         x, new_caches = run_layers(
             self.model.layers,
@@ -638,6 +657,7 @@ class CausalLM(nnx.Module):
             metadata,
             attention_backend,
             lora,
+            kv_cache_groups,
         )
         return self.model.norm(x), new_caches
 

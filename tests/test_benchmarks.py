@@ -152,6 +152,7 @@ COMMANDS = {
         "--out",
         "{out}",
     ],
+    "lora_layouts": ["--rows", "1", "4", "--layers", "2", "--scale", "64", "--repeats", "2", "--out", "{out}"],
     "moe_matmul": [
         "--tokens",
         "1",
@@ -308,6 +309,14 @@ def test_kv_offload_loads_the_evicted_documents_with_the_same_tokens(runs):
     assert result["same_tokens"] and offloading["loaded_tokens"] > 0
     assert offloading["computed_tokens"] == none["computed_tokens"] - offloading["loaded_tokens"]
     assert result["ttft_offloading_over_recompute"] > 0 and result["noop_over_none_wall"] > 0
+
+
+def test_lora_layouts_times_every_way_against_the_plain_step(runs):
+    result = result_of(runs, "lora_layouts")
+    assert_stamped(result)
+    for row in result["rows"]:
+        assert row["plain_ms"] > 0
+        assert all(row[f"{way}_over_plain"] > 0 for way in ("per_module", "grouped", "grouped_t", "columns"))
 
 
 def test_moe_matmul_times_every_way_against_the_touched_experts(runs):

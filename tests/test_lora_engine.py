@@ -114,10 +114,10 @@ def test_a_preempted_request_resumes_with_its_adapter():
 def test_prefix_blocks_are_shared_within_an_adapter_and_never_across():
     manager = KVCacheManager(num_blocks=32, block_size=4)
     prompt = list(range(3, 16))  # three full blocks and a token
-    assert manager.allocate_slots("a", prompt, len(prompt), 0, extra_key="a") == [1, 2, 3, 4]
-    assert manager.get_computed_blocks("a2", prompt, "a") == ([1, 2, 3], 12)
-    assert manager.get_computed_blocks("b", prompt, "b") == ([], 0)
-    assert manager.get_computed_blocks("base", prompt) == ([], 0)
+    assert manager.allocate_slots("a", prompt, len(prompt), 0, extra_key="a") == ([1, 2, 3, 4],)
+    assert manager.get_computed_blocks("a2", prompt, "a") == (([1, 2, 3],), 12)
+    assert manager.get_computed_blocks("b", prompt, "b") == (([],), 0)
+    assert manager.get_computed_blocks("base", prompt) == (([],), 0)
     # The scheduler keys each request's blocks on its adapter's name.
     scheduler = _scheduler(max_loras=2)
     computed = {}

@@ -95,10 +95,12 @@ def test_experts_split_over_tensor_parallel_devices_give_the_same_logits(tmp_pat
     metadata, positions = packed_metadata(lens, block_size=4, num_blocks=24, num_tokens=24, num_reqs=2)
     logits = []
     for tp in (1, 2):
-        model, config = load_model(tmp_path, mesh=tp_mesh(tp))
+        mesh = tp_mesh(tp)
+        model, config = load_model(tmp_path, mesh=mesh)
+        assert config.moe is not None
         experts = model.model.layers[0].mlp.experts.gate_up_proj
         assert experts[...].sharding.shard_shape(experts[...].shape)[-1] == config.moe.intermediate_size // tp
-        caches = jax.device_put(random_caches(config, jnp.float32, 1), kv_cache_sharding(model.mesh))
+        caches = jax.device_put(random_caches(config, jnp.float32, 1), kv_cache_sharding(mesh))
         out, _ = jitted_step(model)(pack(prompts, 24), jnp.asarray(positions), caches, metadata)
         logits.append(np.asarray(out)[: sum(lens)])
     assert rel_err(logits[1], logits[0]) < 1e-5

@@ -139,7 +139,9 @@ class InputProcessor:
                 f"({scheduler_config.max_num_batched_tokens}) with chunked prefill off: it could never be scheduled."
             )
         manager = self.scheduler.kv_cache_manager
-        needed = manager.num_blocks_for(len(token_ids) + 1 + self.scheduler.num_lookahead_tokens, manager.block_size)
+        needed = manager.blocks_to_hold(
+            len(token_ids) + 1 + self.scheduler.num_lookahead_tokens, scheduler_config.max_num_batched_tokens
+        )
         if needed > manager.num_usable_blocks:
             raise ValueError(
                 f"The prompt needs {needed} KV cache blocks, more than the whole cache holds "

@@ -12,6 +12,14 @@ images are part of the KV they make. Freed blocks keep their hash until the free
 queue hands them out again, which is the eviction. Every call touches only the blocks
 it takes, frees or hashes; nothing scans the pool (except reset_prefix_cache,
 which walks the cached blocks once).
+
+KV-cache groups (vLLM's hybrid allocator): layers that attend alike share a block
+table, and every group takes its blocks from the one pool. A request holds a list of
+blocks per group; a sliding-window group keeps only the blocks its window still
+reaches, the ones before it given back (``NULL_BLOCK`` in their place) as the
+request's computed tokens pass them. A prefix hit is the longest prefix every group
+has: the whole prefix for a full-attention group, the window before the hit point
+for a sliding one. Every call takes and returns one list per group.
 """
 
 from __future__ import annotations
@@ -22,6 +30,10 @@ from collections.abc import Sequence
 
 NULL_BLOCK = 0  # Reserved: padding in block tables, never handed out.
 _ROOT_HASH = 0  # Parent hash of a sequence's first block.
+
+
+BlockIds = tuple[list[int], ...]
+"""One list of block ids per KV-cache group."""
 
 
 def _block_hash(parent: int, block_tokens: Sequence[int | str]) -> int:
@@ -49,23 +61,37 @@ class PrefixCacheStats:
 
 @dataclasses.dataclass
 class _RequestBlocks:
-    """A request's blocks in order, the chain hashes of its leading full blocks, and the parent hash of
-    its first block (``_root_hash``)."""
+    """A request's blocks in order, one list per group (``NULL_BLOCK`` where a sliding window let one go),
+    the chain hashes of its leading full blocks (its tokens', the same for every group), and the parent
+    hash of its first block (``_root_hash``)."""
 
     root: int
-    blocks: list[int] = dataclasses.field(default_factory=list)
+    blocks: BlockIds
     hashes: list[int] = dataclasses.field(default_factory=list)
 
 
 class KVCacheManager:
-    """Block pool, per-request block lists and the prefix cache over them."""
+    """Block pool, per-request block lists of every KV-cache group, and the prefix cache over them.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    ``windows`` gives each group's sliding window (None: full attention); the default
+    is one full-attention group.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        windows: Sequence[int | None] = (None,),
+    ):
         if num_blocks < 2 or block_size < 1:
             raise ValueError(f"Need num_blocks >= 2 and block_size >= 1, got {num_blocks}, {block_size}.")
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"Need one window (None or >= 1) per KV-cache group, got {windows}.")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.windows = tuple(windows)
         self.stats = PrefixCacheStats()
         self.reset()
 
@@ -77,11 +103,15 @@ class KVCacheManager:
         in the prefix cache by that step may never have been written.
         """
         self._ref_counts = [0] * self.num_blocks
-        self._hashes: list[int | None] = [None] * self.num_blocks  # Set iff the block is in _cached.
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._hashes: list[tuple[int, int] | None] = [None] * self.num_blocks  # Set iff the block is in _cached.
+        self._cached: dict[tuple[int, int], int] = {}  # (group, block hash) -> block id
         # Unreferenced blocks, head = next to hand out (least recently freed).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, self.num_blocks))
         self._requests: dict[str, _RequestBlocks] = {}
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @staticmethod
     def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -103,46 +133,86 @@ class KVCacheManager:
         return num_blocks_needed <= self.num_free_blocks
 
     def num_blocks_to_grow(self, req_id: str, num_tokens: int) -> int:
-        """Blocks the request would have to take to hold ``num_tokens`` tokens."""
+        """Blocks the request would have to take, over every group, to hold ``num_tokens`` tokens."""
         req = self._requests.get(req_id)
-        return max(0, self.num_blocks_for(num_tokens, self.block_size) - (len(req.blocks) if req else 0))
+        want = self.num_blocks_for(num_tokens, self.block_size)
+        return sum(max(0, want - (len(req.blocks[g]) if req else 0)) for g in range(self.num_groups))
 
-    def get_block_ids(self, req_id: str) -> list[int]:
-        """A copy of the request's block ids in order; [] for an unknown request."""
+    def blocks_to_hold(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """Most blocks a request of ``num_tokens`` tokens holds at once, computed ``max_chunk_tokens`` at most a
+        step: every block of a full-attention group, a sliding group's window and chunk."""
+        want = self.num_blocks_for(num_tokens, self.block_size)
+        return sum(
+            want if w is None else min(want, self.num_blocks_for(w - 1 + max_chunk_tokens, self.block_size) + 1)
+            for w in self.windows
+        )
+
+    def get_block_ids(self, req_id: str) -> BlockIds:
+        """A copy of the request's block ids in order, per group; empty lists for an unknown request."""
         req = self._requests.get(req_id)
-        return list(req.blocks) if req else []
+        return tuple(list(blocks) for blocks in req.blocks) if req else tuple([] for _ in self.windows)
+
+    def num_held_blocks(self, req_id: str) -> int:
+        """Blocks the request holds over every group (its released ones not counted)."""
+        req = self._requests.get(req_id)
+        return sum(b != NULL_BLOCK for blocks in req.blocks for b in blocks) if req else 0
 
     def reset_stats(self) -> PrefixCacheStats:
         """Start fresh counters; returns the previous ones (e.g. for interval logging)."""
         old, self.stats = self.stats, PrefixCacheStats()
         return old
 
+    def _skipped_blocks(self, group: int, num_computed_tokens: int) -> int:
+        """Leading blocks of ``group`` no token from ``num_computed_tokens`` on attends to (0 for full attention).
+
+        The next token, at position ``num_computed_tokens``, reads keys from
+        ``num_computed_tokens - window + 1`` on.
+        """
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, num_computed_tokens - window + 1) // self.block_size
+
     def get_computed_blocks(
         self, req_id: str, token_ids: Sequence[int | str], extra_key: str | None = None
-    ) -> tuple[list[int], int]:
-        """Cached blocks of the longest cached prefix of ``token_ids`` under ``extra_key`` and the tokens
-        they hold.
+    ) -> tuple[BlockIds, int]:
+        """Cached blocks of the longest cached prefix of ``token_ids`` under ``extra_key``, per group, and
+        the tokens they hold.
 
         The last token is always left to compute (its logits are needed), so at most
-        ``(len(token_ids) - 1) // block_size`` blocks match. Only the stats change; the
-        blocks are taken by the following ``allocate_slots``. ``req_id`` is unused: the
-        lookup depends on the tokens and ``extra_key`` alone.
+        ``(len(token_ids) - 1) // block_size`` blocks match. A sliding-window group
+        needs only the blocks its window reaches from the hit point, and gives
+        ``NULL_BLOCK`` before them. Only the stats change; the blocks are taken by the
+        following ``allocate_slots``. ``req_id`` is unused: the lookup depends on the
+        tokens and ``extra_key`` alone.
         """
+        empty = tuple([] for _ in self.windows)
         if not self.enable_caching:
-            return [], 0
+            return empty, 0
         bs = self.block_size
-        blocks: list[int] = []
+        hashes: list[int] = []
         parent = _root_hash(extra_key)
         for i in range(max(0, len(token_ids) - 1) // bs):
             parent = _block_hash(parent, token_ids[i * bs : (i + 1) * bs])
-            block = self._cached.get(parent)
-            if block is None:
-                break
-            blocks.append(block)
-        num_computed = len(blocks) * bs
+            hashes.append(parent)
+        full = [g for g, w in enumerate(self.windows) if w is None]
+        hit = next((n for n, h in enumerate(hashes) if any((g, h) not in self._cached for g in full)), len(hashes))
+        while hit and not all(
+            (g, hashes[i]) in self._cached
+            for g in range(self.num_groups)
+            if g not in full
+            for i in range(self._skipped_blocks(g, hit * bs), hit)
+        ):
+            hit -= 1
+        blocks = tuple(
+            [NULL_BLOCK] * (skipped := self._skipped_blocks(g, hit * bs))
+            + [self._cached[(g, hashes[i])] for i in range(skipped, hit)]
+            for g in range(self.num_groups)
+        )
+        num_computed = hit * bs
         self.stats.queries += len(token_ids)
         self.stats.hits += num_computed
-        return blocks, num_computed
+        return (blocks if hit else empty), num_computed
 
     def allocate_slots(
         self,
@@ -150,23 +220,27 @@ class KVCacheManager:
         token_ids: Sequence[int | str],
         num_new_tokens: int,
         num_computed_tokens: int,
-        new_computed_blocks: Sequence[int] = (),
+        new_computed_blocks: BlockIds = (),
         extra_key: str | None = None,
-    ) -> list[int] | None:
+    ) -> BlockIds | None:
         """Grow the request's blocks to cover ``num_computed_tokens + num_new_tokens`` tokens.
 
+        First a sliding-window group gives back the blocks its window left behind.
         ``new_computed_blocks`` (from ``get_computed_blocks``, first call only) become the
-        head of the request's list; ``extra_key`` (first call only, as given to
-        ``get_computed_blocks``) seeds the hashes of its blocks. Returns the newly appended block ids, or None, with
-        nothing changed, if the free queue is too short. Blocks that are full once this
-        step's tokens are computed get registered in the prefix cache.
+        head of the request's lists; ``extra_key`` (first call only, as given to
+        ``get_computed_blocks``) seeds the hashes of its blocks. Returns the newly appended
+        block ids per group, or None, with no block taken, if the free queue is too short.
+        Blocks that are full once this step's tokens are computed get registered in the
+        prefix cache.
         """
         req = self._requests.get(req_id)
+        if req is not None:
+            self._release_skipped(req, num_computed_tokens)
         num_tokens = num_computed_tokens + num_new_tokens
-        new_blocks: list[int] = []
+        new_blocks: BlockIds = tuple([] for _ in self.windows)
         # Most decode steps stay within the request's blocks: nothing to allocate then.
-        if req is None or new_computed_blocks or num_tokens > len(req.blocks) * self.block_size:
-            grown = self._grow(req_id, req, token_ids, num_tokens, list(new_computed_blocks), extra_key)
+        if req is None or new_computed_blocks or num_tokens > len(req.blocks[0]) * self.block_size:
+            grown = self._grow(req_id, req, token_ids, num_tokens, new_computed_blocks, extra_key)
             if grown is None:
                 return None
             req, new_blocks = grown
@@ -175,30 +249,44 @@ class KVCacheManager:
             self._cache_full_blocks(req, token_ids, num_full)
         return new_blocks
 
+    def _release_skipped(self, req: _RequestBlocks, num_computed_tokens: int) -> None:
+        """Give back each sliding-window group's blocks that its window no longer reaches."""
+        for g, blocks in enumerate(req.blocks):
+            for i in range(min(self._skipped_blocks(g, num_computed_tokens), len(blocks))):
+                if blocks[i] != NULL_BLOCK:
+                    self._release(blocks[i])
+                    blocks[i] = NULL_BLOCK
+
     def _grow(
         self,
         req_id: str,
         req: _RequestBlocks | None,
         token_ids: Sequence[int | str],
         num_tokens: int,
-        computed: list[int],
+        computed: BlockIds,
         extra_key: str | None,
-    ) -> tuple[_RequestBlocks, list[int]] | None:
+    ) -> tuple[_RequestBlocks, BlockIds] | None:
         """Take the computed blocks and enough free ones for ``num_tokens``; None if too few are free."""
         root = _root_hash(extra_key)
-        computed_hashes = self._verified_hashes(req, token_ids, computed, root) if computed else []
-        num_new = max(0, self.num_blocks_to_grow(req_id, num_tokens) - len(computed))
-        num_revived = sum(1 for b in computed if self._ref_counts[b] == 0)
-        if num_new + num_revived > len(self._free):
+        computed = computed or tuple([] for _ in self.windows)
+        computed_hashes = self._verified_hashes(req, token_ids, computed, root) if computed[0] else []
+        want = self.num_blocks_for(num_tokens, self.block_size)
+        held = [len(req.blocks[g]) if req else 0 for g in range(self.num_groups)]
+        num_new = [max(0, want - held[g] - len(computed[g])) for g in range(self.num_groups)]
+        num_revived = sum(1 for blocks in computed for b in blocks if b != NULL_BLOCK and self._ref_counts[b] == 0)
+        if sum(num_new) + num_revived > len(self._free):
             return None
         if req is None:
-            req = self._requests[req_id] = _RequestBlocks(root)
-        for block in computed:
-            self._take(block)
-        req.blocks.extend(computed)
+            req = self._requests[req_id] = _RequestBlocks(root, tuple([] for _ in self.windows))
+        for g, blocks in enumerate(computed):
+            for block in blocks:
+                if block != NULL_BLOCK:
+                    self._take(block)
+            req.blocks[g].extend(blocks)
         req.hashes.extend(computed_hashes)
-        new_blocks = [self._pop_free() for _ in range(num_new)]
-        req.blocks.extend(new_blocks)
+        new_blocks = tuple([self._pop_free() for _ in range(n)] for n in num_new)
+        for g, blocks in enumerate(new_blocks):
+            req.blocks[g].extend(blocks)
         return req, new_blocks
 
     def free(self, req_id: str) -> None:
@@ -210,10 +298,16 @@ class KVCacheManager:
         req = self._requests.pop(req_id, None)
         if req is None:
             return
-        for block in reversed(req.blocks):
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                self._free[block] = None
+        for blocks in req.blocks:
+            for block in reversed(blocks):
+                if block != NULL_BLOCK:
+                    self._release(block)
+
+    def _release(self, block: int) -> None:
+        """Drop a holder of ``block``; unreferenced, it joins the free queue's tail."""
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            self._free[block] = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is held."""
@@ -225,24 +319,26 @@ class KVCacheManager:
         return True
 
     def _verified_hashes(
-        self, req: _RequestBlocks | None, token_ids: Sequence[int | str], computed: list[int], root: int
+        self, req: _RequestBlocks | None, token_ids: Sequence[int | str], computed: BlockIds, root: int
     ) -> list[int]:
-        """Chain hashes of the computed blocks, checked to still be cached for these tokens.
+        """Chain hashes of the computed blocks, each group's (past its released ones) checked to still be
+        cached for these tokens.
 
         Catches a stale ``get_computed_blocks`` result (blocks evicted and reused since).
         """
-        if req is not None and req.blocks:
+        if req is not None and req.blocks[0]:
             raise ValueError("new_computed_blocks may only be passed on a request's first allocation.")
         bs = self.block_size
         hashes: list[int] = []
         parent = root
-        for i, block in enumerate(computed):
+        for i in range(len(computed[0])):
             parent = _block_hash(parent, token_ids[i * bs : (i + 1) * bs])
-            if self._hashes[block] != parent:
-                raise ValueError(
-                    f"Computed block {block} no longer caches this prefix; call get_computed_blocks "
-                    "right before allocate_slots."
-                )
+            for g, blocks in enumerate(computed):
+                if blocks[i] != NULL_BLOCK and self._hashes[blocks[i]] != (g, parent):
+                    raise ValueError(
+                        f"Computed block {blocks[i]} no longer caches this prefix; call get_computed_blocks "
+                        "right before allocate_slots."
+                    )
             hashes.append(parent)
         return hashes
 
@@ -255,21 +351,23 @@ class KVCacheManager:
     def _pop_free(self) -> int:
         """Hand out the free queue's head, evicting its cached hash if it has one."""
         block, _ = self._free.popitem(last=False)
-        block_hash = self._hashes[block]
-        if block_hash is not None:
-            del self._cached[block_hash]
+        key = self._hashes[block]
+        if key is not None:
+            del self._cached[key]
             self._hashes[block] = None
         self._ref_counts[block] = 1
         return block
 
     def _cache_full_blocks(self, req: _RequestBlocks, token_ids: Sequence[int | str], num_full: int) -> None:
-        """Hash the request's newly full blocks; register each hash not cached yet."""
+        """Hash the request's newly full blocks; register, in each group that still holds it, each hash not
+        cached yet."""
         bs = self.block_size
         for i in range(len(req.hashes), num_full):
             parent = req.hashes[-1] if req.hashes else req.root
             block_hash = _block_hash(parent, token_ids[i * bs : (i + 1) * bs])
             req.hashes.append(block_hash)
-            if block_hash not in self._cached:
-                block = req.blocks[i]
-                self._cached[block_hash] = block
-                self._hashes[block] = block_hash
+            for g, blocks in enumerate(req.blocks):
+                block = blocks[i]
+                if block != NULL_BLOCK and (g, block_hash) not in self._cached:
+                    self._cached[(g, block_hash)] = block
+                    self._hashes[block] = (g, block_hash)

@@ -271,7 +271,12 @@ class LLM:
         num_blocks = runner.initialize_kv_cache()
         runner.capture_model()
         cache = config.cache_config
-        manager = KVCacheManager(num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching)
+        manager = KVCacheManager(
+            num_blocks,
+            cache.block_size,
+            enable_caching=cache.enable_prefix_caching,
+            windows=runner.kv_cache_groups.windows,
+        )
         lookahead = config.num_speculative_tokens if config.uses_draft_model else 0
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
         encoder_cache, encoder_budget = None, 0

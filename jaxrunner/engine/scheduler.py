@@ -218,7 +218,7 @@ class Scheduler:
             self._allocate_encoder_inputs(request, encoder_inputs, encoder_inputs_by_req)
             cached.req_ids.append(request.request_id)
             cached.num_computed_tokens.append(request.num_computed_tokens)
-            cached.new_block_ids.append((new_blocks,) if new_blocks else None)
+            cached.new_block_ids.append(new_blocks if any(new_blocks) else None)
             num_scheduled[request.request_id] = num_new
             if drafts:
                 spec_tokens[request.request_id] = drafts
@@ -246,7 +246,7 @@ class Scheduler:
                     request.request_id, request.block_hash_ids, request.lora_name
                 )
             else:  # every prompt token must be computed to score it
-                computed_blocks, num_computed = [], 0
+                computed_blocks, num_computed = (), 0
             num_external = 0
             if self.kv_connector is not None and request.sampling_params.prompt_logprobs is None:
                 num_external, _ = self.kv_connector.get_num_new_matched_tokens(request, num_computed)
@@ -271,7 +271,7 @@ class Scheduler:
                 break
             encoder_budget = new_encoder_budget
             if self.kv_connector is not None:
-                block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+                (block_ids,) = self.kv_cache_manager.get_block_ids(request.request_id)  # connectors: one group
                 self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
             num_computed += num_external
             del self.waiting[waiting_index]
@@ -286,7 +286,7 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids,
                     prefill_token_ids=list(tokens),
                     sampling_params=request.sampling_params,
-                    block_ids=(self.kv_cache_manager.get_block_ids(request.request_id),),
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_computed,
                     lora_request=request.lora_request,
                     mm_features=request.mm_features,
@@ -304,7 +304,7 @@ class Scheduler:
         connector_metadata = None
         if self.kv_connector is not None:
             scheduled = [self.requests[r] for r in num_scheduled]
-            blocks = {r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r in scheduled}
+            blocks = {r.request_id: self.kv_cache_manager.get_block_ids(r.request_id)[0] for r in scheduled}
             connector_metadata = self.kv_connector.build_connector_meta(scheduled, blocks)
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,

@@ -2,7 +2,9 @@
 
 The table lives on the device, one row per request slot. A new request's row
 is written whole with the request; blocks appended later travel as
-(row, column, block id) triples inside the step's packed input buffer.
+(row, column, block id) triples inside the step's packed input buffer. With
+several KV-cache groups the row holds each group's blocks in its own run of
+``max_blocks`` columns, one group after another.
 """
 
 from __future__ import annotations
@@ -15,25 +17,28 @@ from jaxtyping import Array, Bool, Int
 class BlockTables:
     """Host side of the block table: how many blocks each slot holds, staged appends."""
 
-    def __init__(self, max_num_reqs: int, max_blocks: int, block_size: int):
+    def __init__(self, max_num_reqs: int, max_blocks: int, block_size: int, num_groups: int = 1):
         self.max_num_reqs = max_num_reqs
         self.max_blocks = max_blocks
         self.block_size = block_size
-        self.num_blocks = np.zeros(max_num_reqs, np.int32)
+        self.num_groups = num_groups
+        self.num_blocks = np.zeros((max_num_reqs, num_groups), np.int32)
         self._staged: list[tuple[int, int, int]] = []
 
-    def append_block_ids(self, slot: int, block_ids: list[int], overwrite: bool) -> None:
-        """Record ``block_ids`` for ``slot``; only appends are staged (a new row travels whole)."""
-        start = 0 if overwrite else int(self.num_blocks[slot])
-        end = start + len(block_ids)
-        if end > self.max_blocks:
-            raise ValueError(
-                f"Request slot {slot} would hold {end} KV blocks, more than the {self.max_blocks} "
-                "that max_model_len allows."
-            )
-        if not overwrite:
-            self._staged.extend((slot, start + i, b) for i, b in enumerate(block_ids))
-        self.num_blocks[slot] = end
+    def append_block_ids(self, slot: int, block_ids: tuple[list[int], ...], overwrite: bool) -> None:
+        """Record each group's ``block_ids`` for ``slot``; only appends are staged (a new row travels whole)."""
+        for group, ids in enumerate(block_ids):
+            start = 0 if overwrite else int(self.num_blocks[slot, group])
+            end = start + len(ids)
+            if end > self.max_blocks:
+                raise ValueError(
+                    f"Request slot {slot} would hold {end} KV blocks, more than the {self.max_blocks} "
+                    "that max_model_len allows."
+                )
+            if not overwrite:
+                column = group * self.max_blocks + start
+                self._staged.extend((slot, column + i, b) for i, b in enumerate(ids))
+            self.num_blocks[slot, group] = end
 
     def clear(self, slot: int) -> None:
         """Forget the slot's blocks (its request finished or was preempted)."""
@@ -69,6 +74,14 @@ def apply_block_appends(
     """Write appended block ids; padding triples (row -1) are dropped."""
     rows = jnp.where(triples[0] < 0, block_table.shape[0], triples[0])
     return block_table.at[rows, triples[1]].set(triples[2], mode="drop")
+
+
+def group_columns(
+    block_table: Int[Array, "max_reqs table_width"], group: int, num_groups: int
+) -> Int[Array, "max_reqs max_blocks_per_req"]:
+    """``group``'s run of columns in a table of ``num_groups`` groups."""
+    width = block_table.shape[1] // num_groups
+    return block_table[:, group * width : (group + 1) * width]
 
 
 def compute_slot_mapping(

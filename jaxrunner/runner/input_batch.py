@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from jaxrunner.models.kv_cache_groups import KVCacheGroups
 from jaxrunner.ops import AttentionMetadata
-from jaxrunner.runner.block_table import apply_block_appends, compute_slot_mapping
+from jaxrunner.runner.block_table import apply_block_appends, compute_slot_mapping, group_columns
 from jaxrunner.runner.mrope import mrope_positions
 from jaxrunner.runner.states import NO_LORA, DeviceState
 
@@ -59,7 +60,7 @@ class StepInputs(NamedTuple):
     input_ids: Int[Array, " num_tokens"]
     positions: Int[Array, " num_tokens"]  # each token's position in its request
     model_positions: Int[Array, " num_tokens"] | Int[Array, "3 num_tokens"]  # RoPE's: M-RoPE's three rows
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata | tuple[AttentionMetadata, ...]  # one per KV-cache group where several
     rows: SampleRows
     row_index: Int[Array, "num_rows num_spec_plus_1"]  # the packed token of each logits row
     token_lora_slots: Int[Array, " num_tokens"]  # its request's LoRA slot (NO_LORA for padding)
@@ -151,10 +152,15 @@ def pack_step_buffer(
 
 
 def build_step_inputs(
-    state: DeviceState, step_buffer: Int[Array, " buffer_words"], shape: StepShape, block_size: int
+    state: DeviceState,
+    step_buffer: Int[Array, " buffer_words"],
+    shape: StepShape,
+    block_size: int,
+    kv_cache_groups: KVCacheGroups | None = None,
 ) -> tuple[DeviceState, StepInputs]:
     """The step's ``StepInputs`` from the step buffer and the request state (in jit); the state gets the
-    step's block appends.
+    step's block appends. With ``kv_cache_groups`` the metadata is one per group, each from its group's
+    columns of the block table.
 
     A request with drafts is decoding: its first query token is its last
     sampled token and the next ``num_drafts`` are the drafts, to be verified.
@@ -196,19 +202,24 @@ def build_step_inputs(
         input_ids = jnp.where((offset > 0) & (num_drafts[token_req] > 0), from_draft, input_ids)
     input_ids = jnp.where(is_real, input_ids, 0)
     token_lora_slots = jnp.where(is_real, state.lora_slots.at[token_slot].get(mode="fill", fill_value=NO_LORA), NO_LORA)
-    slot_mapping = compute_slot_mapping(state.block_table, token_slot, positions, is_real, block_size)
+    num_groups = 1 if kv_cache_groups is None else kv_cache_groups.num_groups
+    tables = [group_columns(state.block_table, g, num_groups) for g in range(num_groups)]
+    group_metadata = tuple(
+        AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=table.at[idx_mapping].get(mode="fill", fill_value=0),
+            slot_mapping=compute_slot_mapping(table, token_slot, positions, is_real, block_size),
+        )
+        for table in tables
+    )
     positions = jnp.where(is_real, positions, 0)
     model_positions = positions
     if state.mrope_positions is not None and state.mrope_delta is not None:
         model_positions = mrope_positions(
             state.mrope_positions, state.mrope_delta, prefill_len[token_req], token_slot, positions
         )
-    metadata = AttentionMetadata(
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        block_tables=state.block_table.at[idx_mapping].get(mode="fill", fill_value=0),
-        slot_mapping=slot_mapping,
-    )
+    metadata = group_metadata[0] if kv_cache_groups is None else group_metadata
     # Logits row j of request r: packed index of its draft j - 1 (row 0: the token before the drafts).
     j = jnp.arange(k + 1)[None, :]
     first_row = query_start_loc[1:, None] - 1 - num_drafts[:, None]

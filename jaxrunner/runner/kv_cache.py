@@ -10,16 +10,36 @@ import jax.numpy as jnp
 
 from jaxrunner import envs
 from jaxrunner.compat import device_memory_stats, device_total_bytes
-from jaxrunner.config import CacheConfig
+from jaxrunner.config import CacheConfig, RunnerConfig
+from jaxrunner.models.kv_cache_groups import KVCacheGroups
 
 logger = logging.getLogger(__name__)
 
 KVCaches = list[tuple[jax.Array, jax.Array]]
 
 
+def check_kv_cache_groups_support(config: RunnerConfig, groups: KVCacheGroups) -> None:
+    """NotImplementedError naming what several KV-cache groups (a model mixing sliding and full attention)
+    cannot be served with yet."""
+    if groups.num_groups == 1:
+        return
+    unsupported = [
+        ("speculative decoding", config.speculative_config is not None),
+        ("a KV connector (kv_transfer_config)", config.kv_transfer_config is not None),
+    ]
+    for feature, used in unsupported:
+        if used:
+            raise NotImplementedError(
+                f"A model with sliding-window and full-attention layers keeps {groups.num_groups} KV-cache groups, "
+                f"which cannot be served with {feature} yet; serve it without."
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class KVCacheSpec:
-    """Per layer, K and V arrays of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """Per cache tensor, K and V arrays of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``: one
+    tensor a layer, or with KV-cache groups one a place in a group (``models/kv_cache_groups.py``);
+    ``num_layers`` counts the tensors."""
 
     num_layers: int
     block_size: int

@@ -51,6 +51,7 @@ from jaxrunner.interfaces import (
 from jaxrunner.lora.request import LoRARequest
 from jaxrunner.models import CausalLM, TransformerConfig
 from jaxrunner.models.eagle import EagleHead
+from jaxrunner.models.kv_cache_groups import KVCacheGroups
 from jaxrunner.models.loader import load_eagle_head
 from jaxrunner.models.lora import LoRAWeights
 from jaxrunner.models.partitioning import param_shardings
@@ -68,7 +69,14 @@ from jaxrunner.runner.compilation import (
 from jaxrunner.runner.decode_rounds import check_decode_round, check_num_decode_steps, check_round_output
 from jaxrunner.runner.encoder_runner import EncoderRunner, check_multimodal_support
 from jaxrunner.runner.input_batch import InputBatch, SampleRows, pack_step_buffer
-from jaxrunner.runner.kv_cache import KVCaches, KVCacheSpec, MemoryBudget, allocate_kv_caches, size_kv_cache
+from jaxrunner.runner.kv_cache import (
+    KVCaches,
+    KVCacheSpec,
+    MemoryBudget,
+    allocate_kv_caches,
+    check_kv_cache_groups_support,
+    size_kv_cache,
+)
 from jaxrunner.runner.kv_connector.factory import make_kv_connector
 from jaxrunner.runner.kv_connector.mover import CompiledBlockMover
 from jaxrunner.runner.lora import LORA_OFF, LoRASlots, check_lora_model_support, check_lora_support
@@ -193,8 +201,12 @@ class ModelRunner:
             self.attention_backend.check_kv_cache_dtype(
                 kv_dtype, model.dtype, self.model_arch.head_dim, self.block_size
             )
+            arch = self.model_arch
+            windows = [arch.layer_sliding_window(i) for i in range(arch.num_layers)]
+            self.kv_cache_groups = KVCacheGroups.for_layers(windows, self.max_model_len)
+            check_kv_cache_groups_support(self.config, self.kv_cache_groups)
             self.kv_cache_spec = KVCacheSpec(
-                num_layers=self.model_arch.num_layers,
+                num_layers=self.kv_cache_groups.num_tensors,
                 block_size=self.block_size,
                 num_kv_heads=self.model_arch.num_kv_heads,
                 head_dim=self.model_arch.head_dim,
@@ -210,6 +222,7 @@ class ModelRunner:
                 self.config.sampler_config,
                 self.vocab_size,
                 mrope_merge_size=vision.spatial_merge_size if vision is not None and self.uses_mrope else None,
+                num_kv_cache_groups=self.kv_cache_groups.num_groups,
             )
             self.encoder_runner = None
             self.max_image_embeds: int | None = None  # the most tokens one image may take (None: no images)
@@ -220,7 +233,9 @@ class ModelRunner:
                 self.encoder_runner = EncoderRunner(
                     cache_size, self.model_arch.hidden_size, model.dtype, vision, self.replicated
                 )
-            self.block_tables = BlockTables(self.max_num_reqs, self.max_blocks_per_req, self.block_size)
+            self.block_tables = BlockTables(
+                self.max_num_reqs, self.max_blocks_per_req, self.block_size, self.kv_cache_groups.num_groups
+            )
             self.drafter = self._load_drafter(draft_model, kv_dtype)
             self.device_state = self.fresh_device_state()
             draft_params = None if self.drafter is None else self._place(self.drafter.params)
@@ -243,6 +258,7 @@ class ModelRunner:
                 num_spec=self.num_spec,
                 sampler_config=self.config.sampler_config,
                 ngram=self._device_ngram(),
+                kv_cache_groups=self.kv_cache_groups if self.kv_cache_groups.num_groups > 1 else None,
             )
             self.compilation = CompilationManager(
                 self.config.compilation_config,
@@ -268,7 +284,7 @@ class ModelRunner:
             DeviceState.zeros,
             self.max_num_reqs,
             self.max_model_len,
-            self.max_blocks_per_req,
+            self.max_blocks_per_req * self.kv_cache_groups.num_groups,
             self.config.sampler_config,
             self.vocab_size,
             self.num_spec,
@@ -456,7 +472,10 @@ class ModelRunner:
             if self.kv_caches is None:
                 raise RuntimeError("initialize_kv_cache() must run before execute_model().")
             refuse_unsupported(
-                scheduler_output, lora_enabled=self.lora is not None, multimodal=self.encoder_runner is not None
+                scheduler_output,
+                lora_enabled=self.lora is not None,
+                multimodal=self.encoder_runner is not None,
+                num_kv_cache_groups=self.kv_cache_groups.num_groups,
             )
             self.finish_requests(scheduler_output)
             self.add_requests(scheduler_output)
@@ -543,8 +562,7 @@ class ModelRunner:
         for new_req in scheduler_output.scheduled_new_reqs:
             lora_slot = NO_LORA if self.lora is None else self.lora.slot_for(new_req)
             slot = self.req_states.add_request(new_req, lora_slot)
-            block_ids = new_req.block_ids[0] if new_req.block_ids else []
-            self.block_tables.append_block_ids(slot, list(block_ids), overwrite=True)
+            self.block_tables.append_block_ids(slot, new_req.block_ids or ([],), overwrite=True)
             for feature in self.request_features:
                 feature.add_request(new_req, slot)
         num_new = self.req_states.num_staged
@@ -562,7 +580,7 @@ class ModelRunner:
             slot = self.req_states.req_id_to_index.get(req_id)
             if slot is None:
                 raise _not_on_runner(req_id)
-            self.block_tables.append_block_ids(slot, list(new_block_ids[0]), overwrite=False)
+            self.block_tables.append_block_ids(slot, new_block_ids, overwrite=False)
 
     # ------------------------------------------------------------ step phases
 

@@ -130,6 +130,10 @@ def write_new_requests(state: DeviceState, rows: Int[Array, "n row_words"], layo
     )
 
 
+def _padded(ids: list[int], width: int) -> list[int]:
+    return list(ids) + [0] * (width - len(ids))
+
+
 class RequestState:
     """Slot bookkeeping on the host, and the packing of new requests for the device."""
 
@@ -142,16 +146,23 @@ class RequestState:
         sampler_config: SamplerConfig,
         vocab_size: int,
         mrope_merge_size: int | None = None,
+        num_kv_cache_groups: int = 1,
     ):
-        """``mrope_merge_size``: the vision tower's spatial merge size of an M-RoPE model (None: plain RoPE)."""
+        """``mrope_merge_size``: the vision tower's spatial merge size of an M-RoPE model (None: plain RoPE).
+        ``max_blocks`` is each KV-cache group's; a row holds ``num_kv_cache_groups`` runs of them."""
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_blocks = max_blocks
+        self.num_kv_cache_groups = num_kv_cache_groups
         self.sampler_config = sampler_config
         self.vocab_size = vocab_size
         self.mrope_merge_size = mrope_merge_size
         self.layout = new_request_layout(
-            max_model_len, max_blocks, sampler_config, vocab_size, mrope=mrope_merge_size is not None
+            max_model_len,
+            max_blocks * num_kv_cache_groups,
+            sampler_config,
+            vocab_size,
+            mrope=mrope_merge_size is not None,
         )
         self.req_id_to_index: dict[str, int] = {}
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
@@ -180,12 +191,19 @@ class RequestState:
                 f"Request {req_id!r} has {len(tokens)} prompt tokens, more than max_model_len "
                 f"({self.max_model_len}). Shorten the prompt or raise ModelConfig.max_model_len."
             )
-        block_ids = new_req.block_ids[0] if new_req.block_ids else []
-        if len(block_ids) > self.max_blocks:
+        groups = new_req.block_ids or ([],)
+        if len(groups) != self.num_kv_cache_groups:
             raise ValueError(
-                f"Request {req_id!r} has {len(block_ids)} KV blocks, more than the "
+                f"Request {req_id!r} has block ids for {len(groups)} KV-cache groups; the model has "
+                f"{self.num_kv_cache_groups}."
+            )
+        if max(map(len, groups)) > self.max_blocks:
+            raise ValueError(
+                f"Request {req_id!r} has {max(map(len, groups))} KV blocks, more than the "
                 f"{self.max_blocks} that max_model_len allows."
             )
+        # Each group's run of columns, padded; one group's blocks as they are (the layout pads the row).
+        block_ids = list(groups[0]) if len(groups) == 1 else [b for g in groups for b in _padded(g, self.max_blocks)]
         if not self._free_slots:
             raise ValueError(
                 f"No free request slot for {req_id!r}: {self.max_num_reqs} requests are running "

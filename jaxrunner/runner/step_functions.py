@@ -21,10 +21,11 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxrunner.config import SamplerConfig
 from jaxrunner.models import CausalLM
 from jaxrunner.models.eagle import EagleHead
+from jaxrunner.models.kv_cache_groups import KVCacheGroups
 from jaxrunner.models.lora import LoRABatch, LoRAWeights
 from jaxrunner.models.qwen2_vl import VisionLanguageLM
 from jaxrunner.models.transformer import KVScale
-from jaxrunner.ops import AttentionBackend
+from jaxrunner.ops import AttentionBackend, AttentionMetadata
 from jaxrunner.runner.input_batch import SampleRows, StepShape, build_step_inputs, post_update
 from jaxrunner.runner.kv_cache import KVCaches
 from jaxrunner.runner.spec_decode.drafter import Drafter
@@ -56,6 +57,7 @@ class StepStatics:
     num_spec: int
     sampler_config: SamplerConfig
     ngram: NgramDrafter | None = None  # proposes n-gram drafts on the device (method "ngram_gpu")
+    kv_cache_groups: KVCacheGroups | None = None  # several groups' block tables (None: one, a tensor a layer)
 
     @property
     def drafts_on_device(self) -> bool:
@@ -104,17 +106,25 @@ def forward(
     ``encoder_cache`` (a vision-language model's encoder outputs) each image placeholder takes its row.
     """
     model = statics.model(param_leaves, state.kv_scales)
-    state, inputs = build_step_inputs(state, step_buffer, shape, statics.block_size)
+    state, inputs = build_step_inputs(state, step_buffer, shape, statics.block_size, statics.kv_cache_groups)
     input_ids, positions, metadata, rows = inputs.input_ids, inputs.positions, inputs.metadata, inputs.rows
     lora = None if lora_weights is None else LoRABatch(lora_weights, inputs.token_lora_slots)
     embeds = None
     if encoder_cache is not None and inputs.encoder_rows is not None:
         embeds = embed_with_encoder_outputs(model, input_ids, encoder_cache, inputs.encoder_rows)
     hidden, kv_caches = model(
-        input_ids, inputs.model_positions, kv_caches, metadata, statics.attention_backend, lora, inputs_embeds=embeds
+        input_ids,
+        inputs.model_positions,
+        kv_caches,
+        metadata,
+        statics.attention_backend,
+        lora,
+        inputs_embeds=embeds,
+        kv_cache_groups=statics.kv_cache_groups,
     )
     state = dataclasses.replace(state, kv_scales=nnx.state(model, KVScale))
     if statics.drafter is not None:
+        assert isinstance(metadata, AttentionMetadata)  # a drafter runs with one KV-cache group only
         drafter = statics.draft_module(draft_leaves, state.draft_kv_scales)
         draft_kv = statics.drafter.on_step(
             drafter, draft_kv, model, input_ids, positions, metadata, hidden, statics.attention_backend
