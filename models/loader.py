@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrunner.config import ParallelConfig
+from jaxrunner.models.converted import is_converted, restore_converted
 from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.moe import EXPERT_PARTS, Experts
 from jaxrunner.models.partitioning import logical_axes, param_sharding, param_shardings
@@ -78,7 +79,8 @@ def load_model(
     factors (``models/rope.py``). Raises ``ValueError``
     for a layout the mesh cannot take, and ``CheckpointError`` (a ``ValueError``) naming
     the file at fault for a config.json or index that cannot be read or is not supported
-    (an architecture, a RoPE type), and for weights that do not fit.
+    (an architecture, a RoPE type), and for weights that do not fit. A converted directory
+    (``models/converted.py``) is restored from its orbax state instead of its safetensors.
     """
     model_dir = Path(model_dir)
     hf_config = read_hf_config(model_dir)
@@ -90,6 +92,8 @@ def load_model(
     mesh = mesh or make_mesh(ParallelConfig())
     cls = arch.model_class
     model = nnx.eval_shape(lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), mesh=mesh))
+    if is_converted(model_dir):
+        return restore_converted(model, model_dir, mesh), config
     _fill_params(model, model_dir, param_dtype, mesh, arch.tensor_views)
     return model, config
 

@@ -295,6 +295,13 @@ class LLM:
         )
         return LLMEngine(runner, scheduler, self.tokenizer, self.mm_processor)
 
+    def save_converted(self, out_dir: str) -> None:
+        """Write the model as the engine holds it (merged projections, padded for its mesh, each array in its
+        sharding) with orbax-checkpoint, beside the checkpoint's config and tokenizer files: ``LLM(model=out_dir,
+        ...)`` with the same dtype and tensor_parallel_size then restores it onto the devices without
+        re-reading or re-merging the safetensors."""
+        self.llm_engine.runner.save_converted(out_dir)
+
     def get_tokenizer(self) -> transformers.PreTrainedTokenizerBase:
         """The tokenizer prompts are encoded and outputs decoded with; ValueError with
         ``skip_tokenizer_init`` (as vLLM's)."""

@@ -50,6 +50,8 @@ from jaxrunner.interfaces import (
 )
 from jaxrunner.lora.request import LoRARequest
 from jaxrunner.models import CausalLM, TransformerConfig
+from jaxrunner.models.builtin import is_builtin, load_named_model
+from jaxrunner.models.converted import save_converted
 from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.kv_cache_groups import KVCacheGroups
 from jaxrunner.models.loader import load_eagle_head
@@ -392,10 +394,16 @@ class ModelRunner:
             )
         return max_model_len
 
+    def save_converted(self, out_dir: str) -> None:
+        """Write the model as this runner holds it (``models/converted.py``), for ``LLM(model=out_dir)`` to restore
+        without re-reading the checkpoint; the model must have come from a checkpoint directory."""
+        name = self.model_config.model
+        if name is None or is_builtin(name):
+            raise ValueError(f"model {name!r} is no checkpoint directory: only a loaded checkpoint can be converted")
+        save_converted(self.params, self.model, name, out_dir)
+
     def _load_named(self, name: str) -> CausalLM:
         """A checkpoint directory's model, or a built-in's with random weights from the engine's seed."""
-        from jaxrunner.models.builtin import load_named_model
-
         return load_named_model(
             name,
             dtype=self.model_config.dtype,
