@@ -2,6 +2,8 @@
 was converted from, unsharded and split over devices, in float32 and bf16, without reading a safetensors
 tensor; mismatched loads are refused."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,7 +77,7 @@ def test_llm_serves_its_converted_model_with_the_same_tokens(tmp_path, cache_dir
     source, out = tmp_path / "hf", tmp_path / "converted"
     save_tiny_hf_model("llama", source, seed=6, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(source)
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         dtype="float32",
         max_model_len=64,
         max_num_batched_tokens=32,

@@ -398,7 +398,7 @@ class ModelRunner:
         """Write the model as this runner holds it (``models/converted.py``), for ``LLM(model=out_dir)`` to restore
         without re-reading the checkpoint; the model must have come from a checkpoint directory."""
         name = self.model_config.model
-        if name is None or is_builtin(name):
+        if name is None or is_builtin(name) or self.model is None:
             raise ValueError(f"model {name!r} is no checkpoint directory: only a loaded checkpoint can be converted")
         save_converted(self.params, self.model, name, out_dir)
 
