@@ -178,6 +178,13 @@ class TransformerConfig:
                 video_token_id=hf_config.video_token_id,
             )
         model_type = getattr(hf_config, "model_type", None)
+        quantization = getattr(hf_config, "quantization_config", None)
+        if quantization:
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+            raise ValueError(
+                f"quantization_config (quant_method {method!r}) is not supported yet: the weights must be "
+                "bf16, fp16 or fp32"
+            )
         rope, local_rope = _ropes_from_hf(hf_config, max_model_len)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads

@@ -196,6 +196,12 @@ def test_unsupported_fields_are_named(arch, overrides, field):
         TransformerConfig.from_hf(tiny_hf_config(arch, **overrides))
 
 
+def test_a_quantized_checkpoint_is_refused_naming_its_method():
+    hf_config = tiny_hf_config("llama", quantization_config={"quant_method": "compressed-tensors"})
+    with pytest.raises(ValueError, match="quantization_config.*compressed-tensors"):
+        TransformerConfig.from_hf(hf_config)
+
+
 def test_a_fused_tensor_of_the_wrong_length_is_named(tmp_path):
     save_tiny_hf_model("phi3", tmp_path)
     name = "model.layers.0.self_attn.qkv_proj.weight"
@@ -213,7 +219,10 @@ def test_qwen_sliding_window_only_when_enabled():
     assert [on.layer_sliding_window(i) for i in range(3)] == [None, None, 6]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64, torch.int32],
+)
 def test_reader_matches_the_safetensors_library(dtype, tmp_path):
     path = tmp_path / "t.safetensors"
     tensors = {
