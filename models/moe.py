@@ -94,14 +94,13 @@ class Experts(nnx.Module):
     """``num_experts`` gated MLPs, stacked: ``gate_up_proj`` ``[experts, hidden, 2, features]`` (gate then up),
     ``down_proj`` ``[experts, features, hidden]``."""
 
-    def __init__(self, hidden_size: int, config: MoEConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, config: MoEConfig, *, param_dtype, rngs: nnx.Rngs):
         e, h, f = config.num_experts, hidden_size, config.intermediate_size
         init = nnx.initializers.lecun_normal(in_axis=1, out_axis=(2, 3))
         self.gate_up_proj = nnx.Param(init(rngs.params(), (e, h, 2, f), param_dtype))
         self.down_proj = nnx.Param(
             nnx.initializers.lecun_normal(in_axis=1, out_axis=2)(rngs.params(), (e, f, h), param_dtype)
         )
-        self.dtype = dtype
 
 
 class SparseMoeBlock(nnx.Module):
@@ -111,7 +110,7 @@ class SparseMoeBlock(nnx.Module):
         self.gate = nnx.Linear(
             hidden_size, config.num_experts, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
-        self.experts = Experts(hidden_size, config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.experts = Experts(hidden_size, config, param_dtype=param_dtype, rngs=rngs)
         self.top_k, self.renormalize = config.top_k, config.renormalize
         self.act: Callable[[jax.Array], jax.Array] = ACTIVATIONS[hidden_act]
         self.dtype = dtype

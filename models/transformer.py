@@ -19,7 +19,7 @@ partitions the rest from the parameters' shardings.
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -257,6 +257,13 @@ def _qwen_layer_types(hf_config: Any) -> tuple[str, ...]:
     )
 
 
+def config_norm(config: TransformerConfig, dim: int, *, dtype, param_dtype) -> Callable[[], RMSNorm]:
+    """A maker of ``config``'s RMSNorms over ``dim`` features: its epsilon and weight offset."""
+    return functools.partial(
+        RMSNorm, dim, config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, offset=config.norm_weight_offset
+    )
+
+
 class MergedProjection(nnx.Module):
     """Several of HF's Linears that read the same input, as one matmul (vLLM's merged and QKV linears).
 
@@ -323,14 +330,7 @@ class Attention(nnx.Module):
             param_dtype=param_dtype,
             rngs=rngs,
         )
-        norm = functools.partial(
-            RMSNorm,
-            config.head_dim,
-            config.rms_norm_eps,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            offset=config.norm_weight_offset,
-        )
+        norm = config_norm(config, config.head_dim, dtype=dtype, param_dtype=param_dtype)
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -446,14 +446,7 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None):
-        norm = functools.partial(
-            RMSNorm,
-            config.hidden_size,
-            config.rms_norm_eps,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            offset=config.norm_weight_offset,
-        )
+        norm = config_norm(config, config.hidden_size, dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = norm()
         self.self_attn = Attention(config, layer, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
         self.post_attention_layernorm = norm()
@@ -493,13 +486,7 @@ class Backbone(nnx.Module):
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
         self.layers = decoder_layers(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh)
-        self.norm = RMSNorm(
-            config.hidden_size,
-            config.rms_norm_eps,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            offset=config.norm_weight_offset,
-        )
+        self.norm = config_norm(config, config.hidden_size, dtype=dtype, param_dtype=param_dtype)()
 
 
 def decoder_layers(config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs, mesh: Mesh | None) -> nnx.List:

@@ -62,11 +62,13 @@ class PrefixCacheStats:
 @dataclasses.dataclass
 class _RequestBlocks:
     """A request's blocks in order, one list per group (``NULL_BLOCK`` where a sliding window let one go),
-    the chain hashes of its leading full blocks (its tokens', the same for every group), and the parent
-    hash of its first block (``_root_hash``)."""
+    the chain hashes of its leading full blocks (its tokens', the same for every group), the parent hash
+    of its first block (``_root_hash``), and per group how many leading blocks were already looked at for
+    release (a window only moves forward: none is looked at twice)."""
 
     root: int
     blocks: BlockIds
+    released: list[int]
     hashes: list[int] = dataclasses.field(default_factory=list)
 
 
@@ -134,9 +136,12 @@ class KVCacheManager:
 
     def num_blocks_to_grow(self, req_id: str, num_tokens: int) -> int:
         """Blocks the request would have to take, over every group, to hold ``num_tokens`` tokens."""
-        req = self._requests.get(req_id)
+        return sum(self._blocks_to_grow(self._requests.get(req_id), num_tokens))
+
+    def _blocks_to_grow(self, req: _RequestBlocks | None, num_tokens: int) -> list[int]:
+        """Per group, the blocks ``req`` (None: a new request) lacks to hold ``num_tokens`` tokens."""
         want = self.num_blocks_for(num_tokens, self.block_size)
-        return sum(max(0, want - (len(req.blocks[g]) if req else 0)) for g in range(self.num_groups))
+        return [max(0, want - (len(req.blocks[g]) if req else 0)) for g in range(self.num_groups)]
 
     def blocks_to_hold(self, num_tokens: int, max_chunk_tokens: int) -> int:
         """Most blocks a request of ``num_tokens`` tokens holds at once, computed ``max_chunk_tokens`` at most a
@@ -186,9 +191,8 @@ class KVCacheManager:
         following ``allocate_slots``. ``req_id`` is unused: the lookup depends on the
         tokens and ``extra_key`` alone.
         """
-        empty = tuple([] for _ in self.windows)
         if not self.enable_caching:
-            return empty, 0
+            return tuple([] for _ in self.windows), 0
         bs = self.block_size
         hashes: list[int] = []
         parent = _root_hash(extra_key)
@@ -212,7 +216,7 @@ class KVCacheManager:
         num_computed = hit * bs
         self.stats.queries += len(token_ids)
         self.stats.hits += num_computed
-        return (blocks if hit else empty), num_computed
+        return blocks, num_computed
 
     def allocate_slots(
         self,
@@ -252,10 +256,12 @@ class KVCacheManager:
     def _release_skipped(self, req: _RequestBlocks, num_computed_tokens: int) -> None:
         """Give back each sliding-window group's blocks that its window no longer reaches."""
         for g, blocks in enumerate(req.blocks):
-            for i in range(min(self._skipped_blocks(g, num_computed_tokens), len(blocks))):
+            skipped = min(self._skipped_blocks(g, num_computed_tokens), len(blocks))
+            for i in range(req.released[g], skipped):
                 if blocks[i] != NULL_BLOCK:
                     self._release(blocks[i])
                     blocks[i] = NULL_BLOCK
+            req.released[g] = max(req.released[g], skipped)
 
     def _grow(
         self,
@@ -270,14 +276,12 @@ class KVCacheManager:
         root = _root_hash(extra_key)
         computed = computed or tuple([] for _ in self.windows)
         computed_hashes = self._verified_hashes(req, token_ids, computed, root) if computed[0] else []
-        want = self.num_blocks_for(num_tokens, self.block_size)
-        held = [len(req.blocks[g]) if req else 0 for g in range(self.num_groups)]
-        num_new = [max(0, want - held[g] - len(computed[g])) for g in range(self.num_groups)]
+        num_new = [max(0, n - len(computed[g])) for g, n in enumerate(self._blocks_to_grow(req, num_tokens))]
         num_revived = sum(1 for blocks in computed for b in blocks if b != NULL_BLOCK and self._ref_counts[b] == 0)
         if sum(num_new) + num_revived > len(self._free):
             return None
         if req is None:
-            req = self._requests[req_id] = _RequestBlocks(root, tuple([] for _ in self.windows))
+            req = self._requests[req_id] = _RequestBlocks(root, tuple([] for _ in self.windows), [0] * self.num_groups)
         for g, blocks in enumerate(computed):
             for block in blocks:
                 if block != NULL_BLOCK:

@@ -50,9 +50,10 @@ class BlockTables:
         self._staged = []
 
     @staticmethod
-    def append_capacity(num_tokens: int, num_reqs: int, block_size: int) -> int:
-        """Most blocks a step of ``num_tokens`` tokens over ``num_reqs`` requests can append."""
-        return num_tokens // block_size + num_reqs + 1
+    def append_capacity(num_tokens: int, num_reqs: int, block_size: int, num_groups: int = 1) -> int:
+        """Most blocks a step of ``num_tokens`` tokens over ``num_reqs`` requests can append, over
+        ``num_groups`` KV-cache groups."""
+        return (num_tokens // block_size + num_reqs + 1) * num_groups
 
     def take_staged(self, capacity: int) -> np.ndarray:
         """The staged appends as int32 ``[3, capacity]`` (row, column, block id), padding row -1."""

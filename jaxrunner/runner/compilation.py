@@ -510,8 +510,9 @@ class CompilationManager:
         return StepShape(
             num_tokens=num_tokens,
             num_reqs=num_reqs,
-            append_capacity=BlockTables.append_capacity(num_tokens, num_reqs, statics.block_size)
-            * (1 if statics.kv_cache_groups is None else statics.kv_cache_groups.num_groups),
+            append_capacity=BlockTables.append_capacity(
+                num_tokens, num_reqs, statics.block_size, statics.num_kv_cache_groups
+            ),
             num_spec=statics.num_spec,
             drafts_on_device=statics.drafts_on_device,
             multimodal=self.inputs.encoder_cache is not None,

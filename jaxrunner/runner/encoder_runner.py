@@ -28,6 +28,7 @@ from jaxrunner.models.transformer import TransformerConfig
 from jaxrunner.multimodal.inputs import ImagePatches, MultiModalFeatureSpec
 from jaxrunner.runner.compilation import CompilationManager
 from jaxrunner.runner.input_batch import NO_ENCODER_ROW
+from jaxrunner.runner.unsupported import refuse_combinations
 
 NO_FRAME = -1
 """The frame (and window) id of a bucket's padding patches: a frame of their own, attending among themselves."""
@@ -42,11 +43,7 @@ def check_multimodal_support(config: RunnerConfig, arch: TransformerConfig) -> N
         ("LoRA adapters (enable_lora)", config.lora_config is not None),
         ("tensor parallelism", config.parallel_config.tensor_parallel_size > 1),
     ]
-    for feature, used in unsupported:
-        if used:
-            raise NotImplementedError(
-                f"A vision-language model cannot be served with {feature} yet; serve it without, or serve a text model."
-            )
+    refuse_combinations("A vision-language model", unsupported, "serve it without, or serve a text model.")
 
 
 class EncoderRunner:

@@ -12,6 +12,7 @@ from jaxrunner import envs
 from jaxrunner.compat import device_memory_stats, device_total_bytes
 from jaxrunner.config import CacheConfig, RunnerConfig
 from jaxrunner.models.kv_cache_groups import KVCacheGroups
+from jaxrunner.runner.unsupported import refuse_combinations
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +28,8 @@ def check_kv_cache_groups_support(config: RunnerConfig, groups: KVCacheGroups) -
         ("speculative decoding", config.speculative_config is not None),
         ("a KV connector (kv_transfer_config)", config.kv_transfer_config is not None),
     ]
-    for feature, used in unsupported:
-        if used:
-            raise NotImplementedError(
-                f"A model with sliding-window and full-attention layers keeps {groups.num_groups} KV-cache groups, "
-                f"which cannot be served with {feature} yet; serve it without."
-            )
+    subject = f"A model of sliding-window and full-attention layers, in {groups.num_groups} KV-cache groups,"
+    refuse_combinations(subject, unsupported, "serve it without.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,6 +60,10 @@ class StepStatics:
     kv_cache_groups: KVCacheGroups | None = None  # several groups' block tables (None: one, a tensor a layer)
 
     @property
+    def num_kv_cache_groups(self) -> int:
+        return 1 if self.kv_cache_groups is None else self.kv_cache_groups.num_groups
+
+    @property
     def drafts_on_device(self) -> bool:
         """Whether the sampling program leaves the next step's drafts in ``DeviceState.draft_tokens``."""
         return self.drafter is not None or self.ngram is not None

@@ -9,8 +9,18 @@ were absent.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from jaxrunner.interfaces import SchedulerOutput
 from jaxrunner.runner.lora import LORA_OFF
+
+
+def refuse_combinations(subject: str, features: Iterable[tuple[str, bool]], remedy: str) -> None:
+    """Raise ``NotImplementedError`` saying that ``subject`` cannot be served with the first of ``features``
+    (name, whether in use) that is in use, and ``remedy``; checked at start, before anything is built."""
+    for feature, used in features:
+        if used:
+            raise NotImplementedError(f"{subject} cannot be served with {feature} yet; {remedy}")
 
 
 def refuse_unsupported(
