@@ -369,6 +369,12 @@ def candidate_configs(base: KernelConfig, widened: bool = False) -> dict[str, Ke
             if widened
             else {}
         ),
+        # Two widening warpgroups beside one compute warpgroup (a third beside two would not have the registers).
+        **(
+            {"widening_wgs_flipped": flip(num_widening_wgs=3 - base.num_widening_wgs)}
+            if widened and base.num_compute_wgs == 1
+            else {}
+        ),
         **(
             {
                 "pingpong_flipped": flip(pingpong=not base.pingpong),

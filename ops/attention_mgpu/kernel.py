@@ -17,7 +17,8 @@ compute warpgroup holds 64 rows of the tile and all walk the same KV stages.
   warpgroup widens each stage's keys and values to q's 16-bit dtype into a second
   ring (``num_widened_stages`` deep), refills the FP8 stage, and the compute
   warpgroups run wgmma on the widened stages exactly as on a 16-bit ring: the
-  widening stays off their per-stage chain. Widening is exact (every FP8 value is
+  widening stays off their per-stage chain. With ``num_widening_wgs`` 2, one copy
+  warpgroup moves and widens the keys and another the values, side by side. Widening is exact (every FP8 value is
   a float16); the cache's scales are applied outside the kernel.
 
 Queries come from, and outputs go to, the schedule's packed buffers: each warpgroup
@@ -82,7 +83,8 @@ def _kernel_body(
     soft_cap: float | None,
     interpreted: bool,
 ):
-    """One program: (split, tile, kv head). Warpgroups ``0..n-1`` compute, ``n`` copies."""
+    """One program: (split, tile, kv head). Warpgroups ``0..n-1`` compute, ``n`` copies (over an FP8
+    cache with two widening warpgroups, ``n`` moves the keys and ``n + 1`` the values)."""
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
     widen = k_ref.dtype != dtype  # an FP8 cache, widened to q's dtype on chip
@@ -238,8 +240,15 @@ def _kernel_body(
 
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == n_wg)
-        def _copy():
+        # What the copy warpgroups move: each stream's cache, FP8 (or only) ring, landed barriers,
+        # widened ring, ready barriers and release barriers.
+        streams = (
+            (k_ref, k_smem, k_bar, k_wide, k_wide_bar, k_free),
+            (v_ref, v_smem, v_bar, v_wide, v_wide_bar, v_free),
+        )
+
+        def _copy(owned):
+            """Copy (and over an FP8 cache widen) the ``owned`` streams' stages, refilling each slot once it is free."""
             if config.compute_registers:
                 plgpu.set_max_registers(WIDENING_COPY_REGISTERS if widen else COPY_REGISTERS, action="decrease")
 
@@ -252,7 +261,7 @@ def _kernel_body(
 
             def issue(i, ids):
                 slot = lax.rem(i, stages)
-                for cache, smem, bar in ((k_ref, k_smem, k_bar), (v_ref, v_smem, v_bar)):
+                for cache, smem, bar, *_ in owned:
                     for p, page in enumerate(ids):
                         dst = pl.ds(p * block_size, block_size)
                         plgpu.copy_gmem_to_smem(cache.at[page, :, kv_head], smem.at[slot, dst], bar.at[slot])
@@ -267,10 +276,7 @@ def _kernel_body(
                     ids = page_ids(i + stages)  # the table reads overlap the waits
                     slot = lax.rem(i, stages)
                     wide_slot = lax.rem(i, operand_stages)
-                    for narrow, wide, landed, ready, free in (
-                        (k_smem, k_wide, k_bar, k_wide_bar, k_free),
-                        (v_smem, v_wide, v_bar, v_wide_bar, v_free),
-                    ):
+                    for _, narrow, landed, wide, ready, free in owned:
                         pl.when(i >= operand_stages)(lambda free=free: plgpu.barrier_wait(free.at[wide_slot]))
                         plgpu.barrier_wait(landed.at[slot])
                         _widen_stage(narrow.at[slot], wide.at[wide_slot], interpreted)
@@ -283,16 +289,22 @@ def _kernel_body(
                 def _refill(i):
                     ids = page_ids(i + stages)  # the table reads overlap the wait for a free slot
                     slot = lax.rem(i, stages)
-                    plgpu.barrier_wait(k_free.at[slot])
-                    plgpu.barrier_wait(v_free.at[slot])
+                    for *_, free in owned:
+                        plgpu.barrier_wait(free.at[slot])
                     issue(i + stages, ids)
 
             # Observe the last releases too, so every barrier phase is waited on once.
             @pl.loop(jnp.maximum(num_steps - operand_stages, 0), num_steps)
             def _drain(i):
                 slot = lax.rem(i, operand_stages)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
+                for *_, free in owned:
+                    plgpu.barrier_wait(free.at[slot])
+
+        if widen and config.num_widening_wgs == 2:  # one warpgroup a stream: K and V widen side by side
+            for j, stream in enumerate(streams):
+                pl.when(wg == n_wg + j)(lambda stream=stream: _copy((stream,)))
+        else:
+            pl.when(wg == n_wg)(lambda: _copy(streams))
 
     tiled = _smem_transforms(dtype, head_dim)
     ring_tiled = _smem_transforms(k_ref.dtype, head_dim)
@@ -417,6 +429,7 @@ def launch_kernel(
     and, with splits, their log-sum-exps ``[num_kv_splits, num_kv_heads, packed_rows]`` (log2 domain)."""
     num_kv_heads, out_rows, head_dim = q_packed.shape
     num_tiles = schedule_fields.shape[0]
+    widen = k_cache.dtype != q_packed.dtype
     splits = config.num_kv_splits
     out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), q_packed.dtype)]
     if splits > 1:
@@ -443,7 +456,7 @@ def launch_kernel(
         out_type=out_type,
         grid=tuple(axes[name] for name in order),
         grid_names=order,
-        num_threads=config.num_compute_wgs + 1,
+        num_threads=config.num_compute_wgs + (config.num_widening_wgs if widen else 1),
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,

@@ -60,6 +60,10 @@ class KernelConfig:
     num_widened_stages: int = 2
     """Over an FP8 cache, stages of the 16-bit ring the copy warpgroup widens the FP8 ring into
     (the compute warpgroups read that ring); unused over a 16-bit cache."""
+    num_widening_wgs: int = 1
+    """Over an FP8 cache, copy warpgroups that widen: 1 moves and widens keys and values, 2 split them
+    (keys in one, values in the other) so that the two widenings run side by side; unused over a
+    16-bit cache."""
     compute_registers: int | None = None
     """Registers per thread the compute warpgroups take from the copy warpgroup
     (``setmaxnreg``; the copy warpgroup drops to ``kernel.COPY_REGISTERS``); None leaves
@@ -78,6 +82,8 @@ class KernelConfig:
     def __post_init__(self):
         if self.pingpong and self.num_compute_wgs != 2:
             raise ValueError(f"pingpong needs two compute warpgroups, got {self.num_compute_wgs}")
+        if self.num_widening_wgs not in (1, 2):
+            raise ValueError(f"num_widening_wgs is 1 or 2, got {self.num_widening_wgs}")
 
     @property
     def tile_rows(self) -> int:
@@ -168,8 +174,10 @@ def choose_config(
     "Prefill schedule swept by device time" for prefill).
 
     Over an FP8 cache (``cache_itemsize`` 1) the ring holds FP8 stages beside two stages
-    widened to 16 bits, taken from the same budget; stages stay at 64 keys, and prefill's
-    compute warpgroups leave the copy warpgroup the registers it widens with.
+    widened to 16 bits, taken from the same budget; stages stay at 64 keys, decode widens
+    keys and values in two copy warpgroups (its one compute warpgroup leaves the registers
+    for a third), and prefill's compute warpgroups leave the one copy warpgroup the
+    registers it widens with.
     """
     cache_itemsize = cache_itemsize or itemsize
     decode_like = num_tokens * group <= num_reqs * ROWS_PER_WG
@@ -193,6 +201,7 @@ def choose_config(
             num_stages=max(2, min(4, ring_bytes // stage_bytes)),
             num_compute_wgs=1,
             num_kv_splits=splits,
+            num_widening_wgs=2 if widened_bytes else 1,
             accumulate_in_place=True,
         )
     splits = choose_splits(tiles * num_kv_heads, kv_stages, num_sms)
