@@ -106,5 +106,5 @@ class KVConnectorBase:
     def save_kv(self, metadata: KVConnectorMetadata | None, kv_caches: KVCaches, mover: BlockMover) -> None:
         """Start saving the step's blocks, after its forward."""
 
-    def get_finished(self) -> None:
-        """Complete the saves whose copies have arrived."""
+    def get_finished(self, flush: bool = False) -> None:
+        """Complete the saves whose copies have had time to arrive (with ``flush``, all of them)."""

@@ -165,11 +165,16 @@ class BlockStoreConnector(KVConnectorBase):
         return kv_caches
 
     def save_kv(self, metadata: KVConnectorMetadata | None, kv_caches: KVCaches, mover: BlockMover) -> None:
+        # One entry a step, empty where it saves nothing, so that get_finished can tell the last step's apart.
+        entry: tuple[list[str], list] = ([], [])
         if metadata is not None and metadata.save_block_ids:
-            self._in_flight.append((metadata.save_keys, mover.gather(kv_caches, metadata.save_block_ids)))
+            entry = (metadata.save_keys, mover.gather(kv_caches, metadata.save_block_ids))
+        self._in_flight.append(entry)
 
-    def get_finished(self) -> None:
-        in_flight, self._in_flight = self._in_flight, []
+    def get_finished(self, flush: bool = False) -> None:
+        """Store the saves of the steps before the last one (their copies to the host had a whole step to
+        arrive, so waiting for them does not hold the step up), or with ``flush`` every save in flight."""
+        in_flight, self._in_flight = (self._in_flight, []) if flush else (self._in_flight[:-1], self._in_flight[-1:])
         for keys, chunks in in_flight:
             blocks = []
             for k, v, count in chunks:
