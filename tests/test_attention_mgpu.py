@@ -69,10 +69,11 @@ def _kernel_vs_reference(
         # Odd lengths (1, 15, 17, block +- 1), one-page stages, two compute warpgroups taking
         # registers from the copy warpgroup, tiles launched last to first.
         (Case(reqs=ODD, **SMALL), KernelConfig(1, 2, 2, 1, compute_registers=232, longest_first=True), 1e-5),
-        # bf16, KV split in three (partial outputs combined), sliding window and soft cap.
+        # bf16, KV split in three (partial outputs combined), sliding window and soft cap, in two
+        # persistent programs (items of different splits and lengths one after another through one ring).
         (
             Case(reqs=LONG[:2], sliding_window=23, soft_cap=2.0, dtype=jnp.bfloat16, **SMALL),
-            KernelConfig(2, 3, 1, 3),
+            KernelConfig(2, 3, 1, 3, num_programs=2),
             1e-2,
         ),
     ],
@@ -88,10 +89,11 @@ def test_interpreted_kernel_matches_reference(case, config, tol):
     "case, config, cache_dtype",
     [
         # Decode-like, as the table runs it: one compute warpgroup, 4-page stages over a 2-deep ring
-        # (refills) widened into a 2-deep ring by two copy warpgroups (keys, values), split in two.
+        # (refills) widened into a 2-deep ring by two copy warpgroups (keys, values), split in two,
+        # three persistent programs.
         (
             Case(reqs=MIXED, dtype=jnp.bfloat16, **SMALL),
-            KernelConfig(4, 2, 1, 2, num_widening_wgs=2, accumulate_in_place=True),
+            KernelConfig(4, 2, 1, 2, num_programs=3, num_widening_wgs=2, accumulate_in_place=True),
             jnp.float8_e4m3fn,
         ),
         # Odd lengths, one-page stages, two compute warpgroups reading a widened ring deeper than

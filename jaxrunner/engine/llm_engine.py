@@ -313,7 +313,8 @@ class LLMEngine:
             outputs += self._process(*self._in_flight)
             self._in_flight = None
         if self.runner.uses_kv_connector and not self.scheduler.has_unfinished_requests():
-            self.runner.kv_connector.get_finished(flush=True)  # idle: store the last saves, for another engine to read now
+            # Idle: store the last saves, for another engine to read now.
+            self.runner.kv_connector.get_finished(flush=True)
         self._record_times(scheduler_output, start, wait_before, call_before)
         return outputs
 

@@ -16,6 +16,7 @@ from jaxrunner.ops.attention_mgpu.schedule import (
 from jaxrunner.ops.attention_mgpu.tuning import (
     FP8_CACHE_DTYPES,
     FP8_PREFILL_COMPUTE_REGISTERS,
+    HOPPER_SMS,
     QUERY_DTYPES,
     SHARED_MEMORY_BYTES,
     KernelConfig,
@@ -30,6 +31,7 @@ from jaxrunner.ops.attention_mgpu.wrapper import compute_dtype, prepare_tiles, r
 __all__ = [
     "FP8_CACHE_DTYPES",
     "FP8_PREFILL_COMPUTE_REGISTERS",
+    "HOPPER_SMS",
     "QUERY_DTYPES",
     "SHARED_MEMORY_BYTES",
     "KernelConfig",

@@ -1,7 +1,10 @@
 """The ragged paged attention kernel body for Mosaic GPU (Pallas) on NVIDIA Hopper, and its launch.
 
-One program owns one (KV split, tile, kv head) of the :mod:`schedule`'s tiles; each
-compute warpgroup holds 64 rows of the tile and all walk the same KV stages.
+A program works through items, each one (KV split, tile, kv head) of the :mod:`schedule`'s
+tiles: one item (``num_programs`` None), or with persistent programs every
+``num_programs``-th item of the launch order, all through one ring, so that the copy
+warpgroup streams the next item's first stages while the compute warpgroups finish the
+last. Each compute warpgroup holds 64 rows of a tile and all walk the same KV stages.
 
 * KV pipeline. A producer warpgroup reads the request's block table from GMEM and
   issues one TMA copy per cache page (``[block_size, head_dim]`` of one kv head) into
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +70,22 @@ LOG2_E = math.log2(math.e)
 GRANULES_PER_WG = ROWS_PER_WG // GRANULE_ROWS
 
 
+class _Item(NamedTuple):
+    """One unit of work, a (KV split, tile, kv head): its request and rows, and its stages ``[lo, hi)``
+    (``[full_lo, full_hi)`` the ones every row sees whole: no causal or window mask)."""
+
+    split: Array
+    tile: Array
+    kv_head: Array
+    req: Array
+    num_rows: Array
+    lo: Array
+    hi: Array
+    num_steps: Array
+    full_lo: Array
+    full_hi: Array
+
+
 def _kernel_body(
     sched_ref,
     block_tables_ref,
@@ -76,6 +96,7 @@ def _kernel_body(
     lse_ref,
     *,
     config: KernelConfig,
+    num_programs: int,
     group: int,
     block_size: int,
     sm_scale: float,
@@ -83,8 +104,9 @@ def _kernel_body(
     soft_cap: float | None,
     interpreted: bool,
 ):
-    """One program: (split, tile, kv head). Warpgroups ``0..n-1`` compute, ``n`` copies (over an FP8
-    cache with two widening warpgroups, ``n`` moves the keys and ``n + 1`` the values)."""
+    """One program: the items ``program, program + num_programs, ...`` of the launch order, one after
+    another through one ring. Warpgroups ``0..n-1`` compute, ``n`` copies (over an FP8 cache with two
+    widening warpgroups, ``n`` moves the keys and ``n + 1`` the values)."""
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
     widen = k_ref.dtype != dtype  # an FP8 cache, widened to q's dtype on chip
@@ -95,6 +117,8 @@ def _kernel_body(
     operand_stages = config.num_widened_stages if widen else stages
     stage_keys = pages * block_size
     max_blocks = block_tables_ref.shape[1]
+    num_tiles, num_kv_heads = sched_ref.shape[0], q_ref.shape[0]
+    num_items = config.num_kv_splits * num_tiles * num_kv_heads
 
     if interpreted:  # the interpreter takes no layout hints
         iota = functools.partial(lax.broadcasted_iota, jnp.int32)
@@ -103,29 +127,32 @@ def _kernel_body(
         iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
         wgmma_layout = _wgmma_layout
 
-    split = lax.axis_index("split")
-    tile = lax.axis_index("tile")
-    if config.longest_first:
-        tile = sched_ref.shape[0] - 1 - tile
-    kv_head = lax.axis_index("kv_head")
-    req = sched_ref[tile, REQ]
-    num_rows = sched_ref[tile, NUM_ROWS]
-    kv_start = sched_ref[tile, KV_START]
-    kv_end = sched_ref[tile, KV_END]
+    program = lax.axis_index("program")
+    my_items = (num_items - program + num_programs - 1) // num_programs
 
-    first_stage = kv_start // stage_keys
-    end_stage = (kv_end + stage_keys - 1) // stage_keys
-    per_split = (end_stage - first_stage + config.num_kv_splits - 1) // config.num_kv_splits
-    lo = jnp.minimum(first_stage + split * per_split, end_stage)
-    hi = jnp.minimum(lo + per_split, end_stage)
-    num_steps = jnp.where(num_rows > 0, hi - lo, 0)
-
-    # Stages every row of the tile sees whole (no causal or window mask): [full_lo, full_hi).
-    first_pos = sched_ref[tile, Q_POS0] + sched_ref[tile, ROW_OFFSET] // group
-    full_hi = jnp.clip((first_pos + 1) // stage_keys, lo, hi)
-    full_lo = lo
-    if sliding_window:
-        full_lo = jnp.clip((kv_end - sliding_window + stage_keys - 1) // stage_keys, lo, full_hi)
+    def item_at(j) -> _Item:
+        """This program's ``j``-th item. Launch order: splits slowest, then each tile's kv heads together
+        (or, longest first, each kv head's tiles last to first)."""
+        index = program + j * num_programs
+        split, rest = index // (num_tiles * num_kv_heads), index % (num_tiles * num_kv_heads)
+        if config.longest_first:
+            kv_head, tile = rest // num_tiles, num_tiles - 1 - rest % num_tiles
+        else:
+            tile, kv_head = rest // num_kv_heads, rest % num_kv_heads
+        num_rows = sched_ref[tile, NUM_ROWS]
+        kv_end = sched_ref[tile, KV_END]
+        first_stage = sched_ref[tile, KV_START] // stage_keys
+        end_stage = (kv_end + stage_keys - 1) // stage_keys
+        per_split = (end_stage - first_stage + config.num_kv_splits - 1) // config.num_kv_splits
+        lo = jnp.minimum(first_stage + split * per_split, end_stage)
+        hi = jnp.minimum(lo + per_split, end_stage)
+        first_pos = sched_ref[tile, Q_POS0] + sched_ref[tile, ROW_OFFSET] // group
+        full_hi = jnp.clip((first_pos + 1) // stage_keys, lo, hi)
+        full_lo = lo
+        if sliding_window:
+            full_lo = jnp.clip((kv_end - sliding_window + stage_keys - 1) // stage_keys, lo, full_hi)
+        num_steps = jnp.where(num_rows > 0, hi - lo, 0)
+        return _Item(split, tile, kv_head, sched_ref[tile, REQ], num_rows, lo, hi, num_steps, full_lo, full_hi)
 
     def scoped(
         q_smem,
@@ -157,88 +184,98 @@ def _kernel_body(
         def _compute():
             if config.compute_registers:
                 plgpu.set_max_registers(config.compute_registers, action="increase")
-            # This warpgroup's granules of the tile: the first, and how many hold its rows.
-            granule0 = sched_ref[tile, GRANULE0] + wg * GRANULES_PER_WG
-            wg_rows = jnp.clip(num_rows - wg * ROWS_PER_WG, 0, ROWS_PER_WG)
-            num_granules = (wg_rows + GRANULE_ROWS - 1) // GRANULE_ROWS
             last_granule = q_ref.shape[1] // GRANULE_ROWS - 1
-            for i in range(GRANULES_PER_WG):
-                src = jnp.clip(granule0 + jnp.minimum(i, num_granules - 1), 0, last_granule)
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[kv_head, pl.ds(src * GRANULE_ROWS, GRANULE_ROWS)],
-                    q_smem.at[wg, pl.ds(i * GRANULE_ROWS, GRANULE_ROWS)],
-                    q_bar.at[wg],
-                )
-            row_max = wgmma_layout(jnp.full((ROWS_PER_WG,), MASKED, jnp.float32))
-            row_sum = wgmma_layout(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32))
-            acc = wgmma_layout(jnp.zeros((ROWS_PER_WG, head_dim), jnp.float32))
-            plgpu.barrier_wait(q_bar.at[wg])
 
-            def visible(stage):
-                """Causal (and window) mask of one stage's keys for this warpgroup's rows."""
-                rows = iota((ROWS_PER_WG, stage_keys), 0)
-                k_pos = stage * stage_keys + iota((ROWS_PER_WG, stage_keys), 1)
-                row_in_req = sched_ref[tile, ROW_OFFSET] + wg * ROWS_PER_WG + rows
-                q_pos = sched_ref[tile, Q_POS0] + row_in_req // group
-                seen = k_pos <= q_pos
-                if sliding_window:
-                    seen &= k_pos > q_pos - sliding_window
-                return seen
+            def run_item(j, base):
+                """Item ``j``, whose first stage is the program's ``base``-th through the ring."""
+                item = item_at(j)
+                tile = item.tile
+                # This warpgroup's granules of the tile: the first, and how many hold its rows.
+                granule0 = sched_ref[tile, GRANULE0] + wg * GRANULES_PER_WG
+                wg_rows = jnp.clip(item.num_rows - wg * ROWS_PER_WG, 0, ROWS_PER_WG)
+                num_granules = (wg_rows + GRANULE_ROWS - 1) // GRANULE_ROWS
+                for i in range(GRANULES_PER_WG):
+                    src = jnp.clip(granule0 + jnp.minimum(i, num_granules - 1), 0, last_granule)
+                    plgpu.copy_gmem_to_smem(
+                        q_ref.at[item.kv_head, pl.ds(src * GRANULE_ROWS, GRANULE_ROWS)],
+                        q_smem.at[wg, pl.ds(i * GRANULE_ROWS, GRANULE_ROWS)],
+                        q_bar.at[wg],
+                    )
+                row_max = wgmma_layout(jnp.full((ROWS_PER_WG,), MASKED, jnp.float32))
+                row_sum = wgmma_layout(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32))
+                acc = wgmma_layout(jnp.zeros((ROWS_PER_WG, head_dim), jnp.float32))
+                plgpu.barrier_wait(q_bar.at[wg])
 
-            def step(stage, carry, masked: bool):
+                def visible(stage):
+                    """Causal (and window) mask of one stage's keys for this warpgroup's rows."""
+                    rows = iota((ROWS_PER_WG, stage_keys), 0)
+                    k_pos = stage * stage_keys + iota((ROWS_PER_WG, stage_keys), 1)
+                    row_in_req = sched_ref[tile, ROW_OFFSET] + wg * ROWS_PER_WG + rows
+                    q_pos = sched_ref[tile, Q_POS0] + row_in_req // group
+                    seen = k_pos <= q_pos
+                    if sliding_window:
+                        seen &= k_pos > q_pos - sliding_window
+                    return seen
+
+                def step(stage, carry, masked: bool):
+                    acc, row_max, row_sum = carry
+                    slot = lax.rem(base + stage - item.lo, operand_stages)
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    s = _scores(q_smem.at[wg], k_ops.at[slot], interpreted, rendezvous if config.pingpong else None)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    if soft_cap:
+                        s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2_E)
+                    else:
+                        s = s * (sm_scale * LOG2_E)
+                    if masked:
+                        s = jnp.where(visible(stage), s, MASKED)
+                    row_max_new = jnp.maximum(row_max, s.max(axis=1))
+                    alpha = jnp.exp2(row_max - row_max_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(row_max_new, s.shape, [0]))
+                    row_sum = row_sum * alpha + p.sum(axis=1)
+                    if config.pingpong:  # softmax done; P V waits for the tensor cores' turn
+                        plgpu.barrier_arrive(turn)
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        plgpu.barrier_wait(turn)
+                    else:
+                        plgpu.barrier_wait(v_ready.at[slot])
+                    acc = _accumulate_values(
+                        acc, alpha, p.astype(dtype), v_ops.at[slot], config.accumulate_in_place, interpreted
+                    )
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, row_max_new, row_sum
+
+                carry = (acc, row_max, row_sum)
+                end = item.lo + item.num_steps
+                bounds = (item.lo, jnp.minimum(item.full_lo, end), jnp.minimum(item.full_hi, end), end)
+                if config.pingpong:
+                    pl.when(wg == 1)(rendezvous)  # warpgroup 0 goes first
+                for (a, b), masked in zip(zip(bounds[:-1], bounds[1:]), (True, False, True)):
+                    carry = lax.fori_loop(a, b, functools.partial(step, masked=masked), carry)
+                if config.pingpong:
+                    pl.when(wg == 0)(rendezvous)  # and meets warpgroup 1's last turn
                 acc, row_max, row_sum = carry
-                slot = lax.rem(stage - lo, operand_stages)
-                plgpu.barrier_wait(k_ready.at[slot])
-                s = _scores(q_smem.at[wg], k_ops.at[slot], interpreted, rendezvous if config.pingpong else None)
-                plgpu.barrier_arrive(k_free.at[slot])
-                if soft_cap:
-                    s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2_E)
-                else:
-                    s = s * (sm_scale * LOG2_E)
-                if masked:
-                    s = jnp.where(visible(stage), s, MASKED)
-                row_max_new = jnp.maximum(row_max, s.max(axis=1))
-                alpha = jnp.exp2(row_max - row_max_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(row_max_new, s.shape, [0]))
-                row_sum = row_sum * alpha + p.sum(axis=1)
-                if config.pingpong:  # softmax done; P V waits for the tensor cores' turn
-                    plgpu.barrier_arrive(turn)
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_wait(turn)
-                else:
-                    plgpu.barrier_wait(v_ready.at[slot])
-                acc = _accumulate_values(
-                    acc, alpha, p.astype(dtype), v_ops.at[slot], config.accumulate_in_place, interpreted
-                )
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, row_max_new, row_sum
+                row_sum_safe = jnp.maximum(row_sum, 1e-30)
+                q_smem.at[wg][...] = (acc / lax.broadcast_in_dim(row_sum_safe, acc.shape, [0])).astype(dtype)
+                if lse_smem is not None:
+                    lse_smem.at[wg][...] = row_max + jnp.log2(row_sum_safe)
+                plgpu.commit_smem()
+                for i in range(GRANULES_PER_WG):
 
-            carry = (acc, row_max, row_sum)
-            end = jnp.where(num_rows > 0, hi, lo)
-            bounds = (lo, jnp.minimum(full_lo, end), jnp.minimum(full_hi, end), end)
-            if config.pingpong:
-                pl.when(wg == 1)(rendezvous)  # warpgroup 0 goes first
-            for (a, b), masked in zip(zip(bounds[:-1], bounds[1:]), (True, False, True)):
-                carry = lax.fori_loop(a, b, functools.partial(step, masked=masked), carry)
-            if config.pingpong:
-                pl.when(wg == 0)(rendezvous)  # and meets warpgroup 1's last turn
-            acc, row_max, row_sum = carry
-            row_sum_safe = jnp.maximum(row_sum, 1e-30)
-            q_smem.at[wg][...] = (acc / lax.broadcast_in_dim(row_sum_safe, acc.shape, [0])).astype(dtype)
-            if lse_smem is not None:
-                lse_smem.at[wg][...] = row_max + jnp.log2(row_sum_safe)
-            plgpu.commit_smem()
-            for i in range(GRANULES_PER_WG):
+                    @pl.when(i < num_granules)
+                    def _write_back(i=i):
+                        rows = pl.ds(i * GRANULE_ROWS, GRANULE_ROWS)
+                        out_rows = pl.ds((granule0 + i) * GRANULE_ROWS, GRANULE_ROWS)
+                        plgpu.copy_smem_to_gmem(q_smem.at[wg, rows], out_ref.at[item.split, item.kv_head, out_rows])
+                        if lse_smem is not None:
+                            plgpu.copy_smem_to_gmem(
+                                lse_smem.at[wg, rows], lse_ref.at[item.split, item.kv_head, out_rows]
+                            )
 
-                @pl.when(i < num_granules)
-                def _write_back(i=i):
-                    rows = pl.ds(i * GRANULE_ROWS, GRANULE_ROWS)
-                    out_rows = pl.ds((granule0 + i) * GRANULE_ROWS, GRANULE_ROWS)
-                    plgpu.copy_smem_to_gmem(q_smem.at[wg, rows], out_ref.at[split, kv_head, out_rows])
-                    if lse_smem is not None:
-                        plgpu.copy_smem_to_gmem(lse_smem.at[wg, rows], lse_ref.at[split, kv_head, out_rows])
+                plgpu.wait_smem_to_gmem(0)  # the next item's queries overwrite this output's rows
+                return base + item.num_steps
 
-            plgpu.wait_smem_to_gmem(0)
+            lax.fori_loop(0, my_items, run_item, jnp.int32(0))
 
         # What the copy warpgroups move: each stream's cache, FP8 (or only) ring, landed barriers,
         # widened ring, ready barriers and release barriers.
@@ -248,55 +285,58 @@ def _kernel_body(
         )
 
         def _copy(owned):
-            """Copy (and over an FP8 cache widen) the ``owned`` streams' stages, refilling each slot once it is free."""
+            """Copy (and over an FP8 cache widen) the ``owned`` streams' stages, item after item through the
+            ring, so that the next item's first stages arrive while the compute warpgroups finish this one."""
             if config.compute_registers:
                 plgpu.set_max_registers(WIDENING_COPY_REGISTERS if widen else COPY_REGISTERS, action="decrease")
 
-            def page_ids(i):
-                """Cache pages of the tile's stage ``i``: read from the block table once for K and V."""
-                return [
-                    jnp.maximum(block_tables_ref[req, jnp.minimum((lo + i) * pages + p, max_blocks - 1)], 0)
-                    for p in range(pages)
-                ]
+            def widen_step(h):
+                """Widen the program's ``h``-th stage into the 16-bit ring once its slot there is free."""
+                slot, wide_slot = lax.rem(h, stages), lax.rem(h, operand_stages)
+                for _, narrow, landed, wide, ready, free in owned:
+                    pl.when(h >= operand_stages)(lambda free=free: plgpu.barrier_wait(free.at[wide_slot]))
+                    plgpu.barrier_wait(landed.at[slot])
+                    _widen_stage(narrow.at[slot], wide.at[wide_slot], interpreted)
+                    plgpu.barrier_arrive(ready.at[wide_slot])
 
-            def issue(i, ids):
-                slot = lax.rem(i, stages)
-                for cache, smem, bar, *_ in owned:
-                    for p, page in enumerate(ids):
-                        dst = pl.ds(p * block_size, block_size)
-                        plgpu.copy_gmem_to_smem(cache.at[page, :, kv_head], smem.at[slot, dst], bar.at[slot])
+            def run_item(j, base):
+                item = item_at(j)
 
-            for i in range(stages):
-                pl.when(i < num_steps)(lambda i=i: issue(i, page_ids(i)))
+                def step(i, g):
+                    """Stage ``i`` of the item, the program's ``g``-th: into the ring once its slot is free."""
+                    # The block-table reads overlap the wait for the slot.
+                    ids = [
+                        jnp.maximum(
+                            block_tables_ref[item.req, jnp.minimum((item.lo + i) * pages + p, max_blocks - 1)], 0
+                        )
+                        for p in range(pages)
+                    ]
+                    slot = lax.rem(g, stages)
+                    if widen:  # the FP8 slot frees once its stage is widened
+                        pl.when(g >= stages)(lambda: widen_step(g - stages))
+                    else:
 
+                        @pl.when(g >= stages)
+                        def _wait_free():
+                            for *_, free in owned:
+                                plgpu.barrier_wait(free.at[slot])
+
+                    for cache, smem, bar, *_ in owned:
+                        for p, page in enumerate(ids):
+                            dst = pl.ds(p * block_size, block_size)
+                            plgpu.copy_gmem_to_smem(cache.at[page, :, item.kv_head], smem.at[slot, dst], bar.at[slot])
+                    return g + 1
+
+                return lax.fori_loop(0, item.num_steps, step, base)
+
+            total = lax.fori_loop(0, my_items, run_item, jnp.int32(0))
             if widen:
-
-                @pl.loop(0, num_steps)
-                def _widen(i):
-                    ids = page_ids(i + stages)  # the table reads overlap the waits
-                    slot = lax.rem(i, stages)
-                    wide_slot = lax.rem(i, operand_stages)
-                    for _, narrow, landed, wide, ready, free in owned:
-                        pl.when(i >= operand_stages)(lambda free=free: plgpu.barrier_wait(free.at[wide_slot]))
-                        plgpu.barrier_wait(landed.at[slot])
-                        _widen_stage(narrow.at[slot], wide.at[wide_slot], interpreted)
-                        plgpu.barrier_arrive(ready.at[wide_slot])
-                    pl.when(i + stages < num_steps)(lambda: issue(i + stages, ids))
-
-            else:
-
-                @pl.loop(0, jnp.maximum(num_steps - stages, 0))
-                def _refill(i):
-                    ids = page_ids(i + stages)  # the table reads overlap the wait for a free slot
-                    slot = lax.rem(i, stages)
-                    for *_, free in owned:
-                        plgpu.barrier_wait(free.at[slot])
-                    issue(i + stages, ids)
+                pl.loop(jnp.maximum(total - stages, 0), total)(widen_step)
 
             # Observe the last releases too, so every barrier phase is waited on once.
-            @pl.loop(jnp.maximum(num_steps - operand_stages, 0), num_steps)
-            def _drain(i):
-                slot = lax.rem(i, operand_stages)
+            @pl.loop(jnp.maximum(total - operand_stages, 0), total)
+            def _drain(g):
+                slot = lax.rem(g, operand_stages)
                 for *_, free in owned:
                     plgpu.barrier_wait(free.at[slot])
 
@@ -434,9 +474,12 @@ def launch_kernel(
     out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), q_packed.dtype)]
     if splits > 1:
         out_type.append(jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows), jnp.float32))
+    num_items = splits * num_tiles * num_kv_heads
+    num_programs = min(config.num_programs or num_items, num_items)
     body = functools.partial(
         _kernel_body,
         config=config,
+        num_programs=num_programs,
         group=group,
         block_size=k_cache.shape[1],
         sm_scale=sm_scale,
@@ -448,14 +491,11 @@ def launch_kernel(
     def entry(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref=None):
         body(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref)
 
-    # The last grid axis varies fastest in launch order (Mosaic GPU makes it CUDA's x).
-    axes = {"split": splits, "tile": num_tiles, "kv_head": num_kv_heads}
-    order = ("split", "kv_head", "tile") if config.longest_first else ("split", "tile", "kv_head")
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=tuple(axes[name] for name in order),
-        grid_names=order,
+        grid=(num_programs,),
+        grid_names=("program",),
         num_threads=config.num_compute_wgs + (config.num_widening_wgs if widen else 1),
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),

@@ -17,6 +17,8 @@ from jaxtyping import Array, Float
 from jaxrunner.ops.attention_metadata import AttentionMetadata
 from jaxrunner.ops.attention_mgpu.schedule import num_tiles_bound
 
+HOPPER_SMS = 132
+"""Streaming multiprocessors of an H100 SXM or an H200: the table's default for wave and persistent-grid sizes."""
 ROWS_PER_WG = 64
 """Query rows per compute warpgroup: the M of one wgmma."""
 
@@ -60,6 +62,10 @@ class KernelConfig:
     num_widened_stages: int = 2
     """Over an FP8 cache, stages of the 16-bit ring the copy warpgroup widens the FP8 ring into
     (the compute warpgroups read that ring); unused over a 16-bit cache."""
+    num_programs: int | None = None
+    """Programs launched, each taking the items (split, tile, kv head) ``p, p + num_programs, ...`` one
+    after another through one ring, so that an item's first stages arrive while the one before finishes
+    (persistent programs); None launches one program an item."""
     num_widening_wgs: int = 1
     """Over an FP8 cache, copy warpgroups that widen: 1 moves and widens keys and values, 2 split them
     (keys in one, values in the other) so that the two widenings run side by side; unused over a
@@ -154,16 +160,18 @@ def choose_config(
     block_size: int,
     max_blocks_per_req: int,
     itemsize: int,
-    num_sms: int = 132,
+    num_sms: int = HOPPER_SMS,
     cache_itemsize: int | None = None,
 ) -> KernelConfig:
     """The tuning table: static shapes -> launch parameters.
 
     Decode-like batches (at most 64 query rows per request) use one compute
-    warpgroup, 64-key stages in a ring of about 96 KiB (sized for two programs a
-    SM, though at 153 registers a thread one program fills an SM's register file)
-    and in-place ``P V`` accumulation; KV splits by :func:`choose_splits`, over the
-    stages of the longest possible request (the block table's width).
+    warpgroup, 64-key stages in a ring of about 96 KiB, in-place ``P V``
+    accumulation and one persistent program a SM (at 153 registers a thread one
+    program fills an SM's register file, so the next item's stages stream in
+    while the last one's finish, instead of each program filling its ring
+    anew); KV splits by :func:`choose_splits`, over the stages of the longest
+    possible request (the block table's width).
 
     Prefills use two compute warpgroups in ping-pong with the register split and
     in-place accumulation, tiles launched longest first, and 128-key stages in as many
@@ -201,6 +209,7 @@ def choose_config(
             num_stages=max(2, min(4, ring_bytes // stage_bytes)),
             num_compute_wgs=1,
             num_kv_splits=splits,
+            num_programs=num_sms,
             num_widening_wgs=2 if widened_bytes else 1,
             accumulate_in_place=True,
         )
