@@ -1,4 +1,4 @@
-"""The ``jaxrunner`` command line: ``generate`` and ``bench``.
+"""The ``jaxrunner`` command line: ``generate``, ``bench`` and ``serve``.
 
 A user's error (a bad flag, an unknown model, a checkpoint that cannot be read)
 is one line on stderr and exit status 2; ``--debug`` shows its traceback. The
@@ -404,8 +404,22 @@ def _bench(args: argparse.Namespace) -> None:
             json.dump(result, f, indent=2)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    try:
+        from jaxrunner.entrypoints.openai_server import serve
+    except ImportError as error:
+        raise ValueError(f"serve needs the serve extra: pip install 'jaxrunner[serve]' ({error}).") from None
+
+    args.model = args.model_tag or args.model
+    loras = _lora_requests(args)
+    llm = _make_llm(args)
+    _check_loras(llm, loras)
+    print(_model_line(args.model))
+    serve(llm, args.served_model_name or args.model, loras, args.host, args.port, args.api_key)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: the jaxrunner parser with its generate and bench commands."""
+    """The command line: the jaxrunner parser with its generate, bench and serve commands."""
     parser = _ArgumentParser(prog="jaxrunner", description="vLLM's model runner and engine in JAX.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
 
@@ -445,6 +459,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-json", help="write the results to this JSON file; unset: print only")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(run=_bench)
+
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server",
+        description="Serve the model over HTTP with OpenAI's API, as `vllm serve`: /v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics. --lora adapters are served as model names.",
+        formatter_class=_HelpFormatter,
+    )
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model (which it overrides)")
+    _add_engine_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    serve.add_argument("--api-key", help="the key /v1 requests must give as 'Authorization: Bearer KEY'; unset: none")
+    serve.add_argument("--served-model-name", help="the model's name in the API; unset: MODEL")
+    serve.set_defaults(run=_serve)
     return parser
 
 
