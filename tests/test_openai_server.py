@@ -21,7 +21,10 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxrunner.engine.llm import LLM
+from jaxrunner.engine.outputs import RequestOutput
+from jaxrunner.entrypoints.async_llm import RequestRefusedError
 from jaxrunner.entrypoints.openai_server import build_app
+from jaxrunner.interfaces import SamplingParams
 from jaxrunner.lora.request import LoRARequest
 from jaxrunner.models.builtin import BUILTIN_MODELS
 from jaxrunner.models.random_lora import save_random_lora_adapter
@@ -283,6 +286,29 @@ def test_a_client_that_leaves_frees_its_request(server, client):
     assert 0 < after - before < 1500
     engine = server.app.state.engine.llm.llm_engine
     assert engine.scheduler.num_unfinished == 0
+
+
+def test_async_llm_generate_streams_deltas_and_aborts_when_closed(server):
+    """vLLM's ``AsyncLLM.generate`` on the server's engine, from an event loop of the test's own."""
+    engine = server.app.state.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+
+    async def first_outputs(request_id: str, count: int) -> list[RequestOutput]:
+        outputs = []
+        generator = engine.generate(request_id, "Async prompt", params)
+        async for output in generator:
+            outputs.append(output)
+            if len(outputs) == count:
+                break
+        await generator.aclose()
+        return outputs
+
+    outputs = asyncio.run(first_outputs("async-llm-0", 4))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1] * 4  # deltas, a token each
+    assert not outputs[-1].finished
+    wait_until_idle(server, timeout=2.0)  # closing the generator aborted the request
+    with pytest.raises(RequestRefusedError, match="max_model_len"):
+        asyncio.run(engine.add_request("async-llm-1", "x" * 3000, params))
 
 
 BAD_REQUESTS = [

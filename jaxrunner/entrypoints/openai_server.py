@@ -105,13 +105,16 @@ async def _respond(
         return _error_response(validation_error(error))
     except EngineDeadError as error:
         return _error_response(RequestError(str(error), None, 503, "ServiceUnavailableError"))
+    if result is None:  # the client has gone: no one to answer (nginx's "client closed request")
+        return Response(status_code=499)
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream")
 
 
-async def _cancelled_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """``work``'s result, or cancel it when the client disconnects first (vLLM's ``with_cancellation``)."""
+async def _cancelled_on_disconnect(request: Request, work: Awaitable[Any]) -> Any | None:
+    """``work``'s result; or, when the client disconnects first, None with ``work`` cancelled (vLLM's
+    ``with_cancellation``)."""
     work_task = asyncio.ensure_future(work)
     disconnect = asyncio.ensure_future(_disconnected(request))
     try:
@@ -122,7 +125,7 @@ async def _cancelled_on_disconnect(request: Request, work: Awaitable[Any]) -> An
         work_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await work_task
-        raise asyncio.CancelledError("the client disconnected")
+        return None
     return work_task.result()
 
 
