@@ -358,6 +358,11 @@ def test_bad_requests_get_400_naming_the_field_while_good_ones_finish(server, cl
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=MODEL, messages=[{"content": "no role"}])
     assert error.value.param == "messages.0.role"
+    # A client may not make the server read its files.
+    image = {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [image]}])
+    assert error.value.param == "messages.0.content.0"
     wait_until_idle(server)
 
 

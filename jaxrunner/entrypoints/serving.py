@@ -120,6 +120,7 @@ class OpenAIServing:
         for i, message in enumerate(request.messages):
             if not isinstance(message.get("role"), str):
                 raise RequestError(f"messages[{i}] has no role.", f"messages.{i}.role")
+            _check_image_urls(message.get("content"), f"messages.{i}.content")
         try:
             conversation, images = chat_messages(request.messages, "messages")
             encoded = tokenizer.apply_chat_template(
@@ -157,6 +158,22 @@ class OpenAIServing:
                 stream.abort()
             raise
         return streams
+
+
+def _check_image_urls(content: object, where: str) -> None:
+    """Images come inline, as ``data:`` URLs: a client may not make the server read its own files (a path
+    or ``file://`` URL, which the offline ``LLM.chat`` takes)."""
+    if not isinstance(content, list):
+        return
+    for p, part in enumerate(content):
+        if isinstance(part, Mapping) and part.get("type") in ("image_url", "image_pil"):
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, Mapping) else None
+            if not (isinstance(url, str) and url.startswith("data:")):
+                raise RequestError(
+                    f"{where}.{p}: an image must be an image_url part with a data: URL (base64) here.",
+                    f"{where}.{p}",
+                )
 
 
 class _Response:
