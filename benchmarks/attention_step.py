@@ -52,10 +52,10 @@ from benchmarks.harness import (
 from jaxrunner.ops.attention_backend import AttentionBackend
 from jaxrunner.ops.attention_metadata import AttentionMetadata
 from jaxrunner.ops.attention_mgpu import (
-    HOPPER_SMS,
     KernelConfig,
     compute_dtype,
     config_for,
+    device_sms,
     launch_kernel,
     prepare_tiles,
     ragged_paged_attention_mgpu,
@@ -362,7 +362,7 @@ def candidate_configs(base: KernelConfig, widened: bool = False) -> dict[str, Ke
         "stages-1": flip(num_stages=max(base.num_stages - 1, 2)),
         "stages+1": flip(num_stages=base.num_stages + 1),
         "pages*2": flip(pages_per_stage=base.pages_per_stage * 2, num_stages=2),
-        "persistent_flipped": flip(num_programs=None if base.num_programs else HOPPER_SMS),
+        "persistent_flipped": flip(num_programs=None if base.num_programs else device_sms()),
         **(
             {
                 "widened-1,stages+2": flip(num_widened_stages=1, num_stages=base.num_stages + 2),

@@ -16,13 +16,13 @@ from jaxrunner.ops.attention_mgpu.schedule import (
 from jaxrunner.ops.attention_mgpu.tuning import (
     FP8_CACHE_DTYPES,
     FP8_PREFILL_COMPUTE_REGISTERS,
-    HOPPER_SMS,
     QUERY_DTYPES,
     SHARED_MEMORY_BYTES,
     KernelConfig,
     choose_config,
     choose_splits,
     config_for,
+    device_sms,
     kernel_supports,
     program_shared_memory,
 )
@@ -31,7 +31,6 @@ from jaxrunner.ops.attention_mgpu.wrapper import compute_dtype, prepare_tiles, r
 __all__ = [
     "FP8_CACHE_DTYPES",
     "FP8_PREFILL_COMPUTE_REGISTERS",
-    "HOPPER_SMS",
     "QUERY_DTYPES",
     "SHARED_MEMORY_BYTES",
     "KernelConfig",
@@ -40,6 +39,7 @@ __all__ = [
     "choose_splits",
     "compute_dtype",
     "config_for",
+    "device_sms",
     "kernel_supports",
     "launch_kernel",
     "num_granules_bound",

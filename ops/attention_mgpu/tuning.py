@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -247,5 +248,12 @@ def config_for(
         block_size,
         max_blocks_per_req,
         q.dtype.itemsize,
+        num_sms=device_sms(),
         cache_itemsize=k_cache.dtype.itemsize,
     )
+
+
+def device_sms() -> int:
+    """The default device's streaming multiprocessors (``HOPPER_SMS`` where the backend does not say, as on
+    the CPU): an H100 PCIe has 114, and a persistent grid of 132 there would run in two waves."""
+    return getattr(jax.devices()[0], "core_count", None) or HOPPER_SMS
