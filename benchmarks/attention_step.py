@@ -373,7 +373,13 @@ def candidate_configs(base: KernelConfig, widened: bool = False) -> dict[str, Ke
         ),
         # Two widening warpgroups beside one compute warpgroup (a third beside two would not have the registers).
         **(
-            {"widening_wgs_flipped": flip(num_widening_wgs=3 - base.num_widening_wgs)}
+            {
+                "widening_wgs_flipped": flip(num_widening_wgs=3 - base.num_widening_wgs),
+                "persistent_and_widening_wgs_flipped": flip(
+                    num_widening_wgs=3 - base.num_widening_wgs,
+                    num_programs=None if base.num_programs else device_sms(),
+                ),
+            }
             if widened and base.num_compute_wgs == 1
             else {}
         ),

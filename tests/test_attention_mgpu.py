@@ -88,9 +88,8 @@ def test_interpreted_kernel_matches_reference(case, config, tol):
 @pytest.mark.parametrize(
     "case, config, cache_dtype",
     [
-        # Decode-like, as the table runs it: one compute warpgroup, 4-page stages over a 2-deep ring
-        # (refills) widened into a 2-deep ring by two copy warpgroups (keys, values), split in two,
-        # three persistent programs.
+        # Decode-like: one compute warpgroup, 4-page stages over a 2-deep ring (refills) widened into
+        # a 2-deep ring by two copy warpgroups (keys, values), split in two, three persistent programs.
         (
             Case(reqs=MIXED, dtype=jnp.bfloat16, **SMALL),
             KernelConfig(4, 2, 1, 2, num_programs=3, num_widening_wgs=2, accumulate_in_place=True),

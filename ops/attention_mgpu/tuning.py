@@ -167,12 +167,13 @@ def choose_config(
     """The tuning table: static shapes -> launch parameters.
 
     Decode-like batches (at most 64 query rows per request) use one compute
-    warpgroup, 64-key stages in a ring of about 96 KiB, in-place ``P V``
-    accumulation and one persistent program a SM (at 153 registers a thread one
-    program fills an SM's register file, so the next item's stages stream in
-    while the last one's finish, instead of each program filling its ring
-    anew); KV splits by :func:`choose_splits`, over the stages of the longest
-    possible request (the block table's width).
+    warpgroup, 64-key stages in a ring of about 96 KiB (sized for two programs a
+    SM, though at 153 registers a thread one program fills an SM's register file)
+    and in-place ``P V`` accumulation; KV splits by :func:`choose_splits`, over the
+    stages of the longest possible request (the block table's width). Persistent
+    programs and two widening warpgroups are built and tested but not yet the
+    table's choice: the sweep (``persistent_flipped``, ``widening_wgs_flipped``)
+    decides them on the GPU.
 
     Prefills use two compute warpgroups in ping-pong with the register split and
     in-place accumulation, tiles launched longest first, and 128-key stages in as many
@@ -183,10 +184,8 @@ def choose_config(
     "Prefill schedule swept by device time" for prefill).
 
     Over an FP8 cache (``cache_itemsize`` 1) the ring holds FP8 stages beside two stages
-    widened to 16 bits, taken from the same budget; stages stay at 64 keys, decode widens
-    keys and values in two copy warpgroups (its one compute warpgroup leaves the registers
-    for a third), and prefill's compute warpgroups leave the one copy warpgroup the
-    registers it widens with.
+    widened to 16 bits, taken from the same budget; stages stay at 64 keys, and prefill's
+    compute warpgroups leave the copy warpgroup the registers it widens with.
     """
     cache_itemsize = cache_itemsize or itemsize
     decode_like = num_tokens * group <= num_reqs * ROWS_PER_WG
@@ -210,8 +209,6 @@ def choose_config(
             num_stages=max(2, min(4, ring_bytes // stage_bytes)),
             num_compute_wgs=1,
             num_kv_splits=splits,
-            num_programs=num_sms,
-            num_widening_wgs=2 if widened_bytes else 1,
             accumulate_in_place=True,
         )
     splits = choose_splits(tiles * num_kv_heads, kv_stages, num_sms)
