@@ -166,6 +166,21 @@ COMMANDS = {
         "--out",
         "{out}",
     ],
+    "serving": [
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "16",
+        "--output-len",
+        "5",
+        "--max-concurrency",
+        "4",
+        "--offline",
+        "--engine-args",
+        "--max-model-len 64 --max-num-seqs 4 --max-num-batched-tokens 64 --token-buckets 4 64 --request-buckets 4",
+        "--out",
+        "{out}",
+    ],
     "vl_serving": [
         "--shape",
         "tiny",
@@ -325,6 +340,15 @@ def test_moe_matmul_times_every_way_against_the_touched_experts(runs):
     for row in result["rows"]:
         assert 0 < row["experts_touched"] <= min(result["num_experts"], row["tokens"] * result["top_k"])
         assert all(row[f"{way}_ms"] > 0 for way in ("grouped", "per_expert_loop", "gathered"))
+
+
+def test_serving_streams_every_token_to_every_client_and_compares_offline(runs):
+    result = result_of(runs, "serving")
+    assert_stamped(result)
+    assert result["output_tokens"] == 6 * 5 and result["offline"]["output_tokens_per_s"] > 0
+    assert result["served_over_offline"] > 0
+    for name in ("ttft_ms", "tpot_ms", "itl_ms"):
+        assert 0 < result[name]["p50"] <= result[name]["p99"]
 
 
 def test_vl_serving_runs_both_sides_on_images(runs):
