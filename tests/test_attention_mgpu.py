@@ -64,11 +64,15 @@ def _kernel_vs_reference(
 @pytest.mark.parametrize(
     "case, config, tol",
     [
-        # float32: 4-page stages over a 2-deep ring (refills), one compute warpgroup.
+        # float32: 4-page stages over a 2-deep ring (refills), one compute warpgroup, one program an item.
         (Case(reqs=MIXED, **SMALL), KernelConfig(4, 2, 1, 1), 1e-5),
         # Odd lengths (1, 15, 17, block +- 1), one-page stages, two compute warpgroups taking
-        # registers from the copy warpgroup, tiles launched last to first.
-        (Case(reqs=ODD, **SMALL), KernelConfig(1, 2, 2, 1, compute_registers=232, longest_first=True), 1e-5),
+        # registers from the copy warpgroup, tiles launched last to first by two persistent programs.
+        (
+            Case(reqs=ODD, **SMALL),
+            KernelConfig(1, 2, 2, 1, compute_registers=232, longest_first=True, num_programs=2),
+            1e-5,
+        ),
         # bf16, KV split in three (partial outputs combined), sliding window and soft cap, in two
         # persistent programs (items of different splits and lengths one after another through one ring).
         (
@@ -96,11 +100,16 @@ def test_interpreted_kernel_matches_reference(case, config, tol):
             jnp.float8_e4m3fn,
         ),
         # Odd lengths, one-page stages, two compute warpgroups reading a widened ring deeper than
-        # the FP8 ring, and a widened ring of one stage.
-        (Case(reqs=ODD, dtype=jnp.bfloat16, **SMALL), KernelConfig(1, 2, 2, 1, num_widened_stages=3), jnp.float8_e5m2),
+        # the FP8 ring, and a widened ring of one stage (persistent programs: the interpreter's cost
+        # is per program, and the rings then carry over from one item to the next).
         (
             Case(reqs=ODD, dtype=jnp.bfloat16, **SMALL),
-            KernelConfig(2, 3, 1, 1, num_widened_stages=1),
+            KernelConfig(1, 2, 2, 1, num_widened_stages=3, num_programs=2),
+            jnp.float8_e5m2,
+        ),
+        (
+            Case(reqs=ODD, dtype=jnp.bfloat16, **SMALL),
+            KernelConfig(2, 3, 1, 1, num_widened_stages=1, num_programs=3),
             jnp.float8_e4m3fn,
         ),
     ],
