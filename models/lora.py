@@ -5,14 +5,14 @@ slot (-1: the base model alone). A projection ``W`` then computes, for every tok
 ``t`` of slot ``s``, ``W x_t + B_s A_s x_t`` with the adapter's scaling folded into
 ``B`` (PEFT's ``lora_alpha / r``, or ``/ sqrt(r)`` for rsLoRA).
 
-The product is dense over slots and over the modules of one merged projection
-(``LORA_GROUPS``: q/k/v, gate/up, which read the same input): ``x`` times every
-slot's and module's ``A`` at once (``A`` stored ``[module, slot, rank, in]``, one
-matmul contracting the last axes of both, which at one row ran in half the time
-of ``[in, ...]``: ``benchmarks/decisions/lora_product.md``), the tokens' one-hot
-slot mask, then every slot's ``B`` at once (stored block-diagonal over modules,
-``[module, slot, rank, out]``, one matmul whose output holds every module's
-columns). Two matmuls of static shape per merged projection,
+Every slot's ``A`` lives in the base projection's own kernel, as columns after its
+outputs (``add_lora_columns``: the kernel becomes ``[in, outputs + slots * modules
+* rank]``), so that one matmul gives the projection and every slot's shrink ``A_s
+x`` (one kernel launch; a shrink of its own ran split-K with a reduction after it:
+``benchmarks/decisions/lora_product.md``). The tokens' one-hot slot mask keeps
+each token's own slot's columns, then one matmul with every slot's ``B`` (stored
+``[slot, module, rank, out]``, block-diagonal over the modules of a merged
+projection: q/k/v, gate/up) gives every module's outputs at once. Static shapes
 whatever the batch mixes: one program serves any assignment of adapters to tokens
 and nothing compiles when adapters are loaded or swapped. Ranks below
 ``max_lora_rank`` are zero-padded.
@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
 LORA_GROUPS: dict[str, tuple[str, ...]] = {
@@ -37,25 +39,29 @@ LORA_GROUPS: dict[str, tuple[str, ...]] = {
 """The model's projections that carry LoRA, each with the HF Linears (modules) it merges, in order."""
 LORA_MODULES = tuple(module for modules in LORA_GROUPS.values() for module in modules)
 """The projections an adapter may target, by HF's names."""
-A_SLOT_AXIS = 1
-"""The slot axis of ``LoRAWeights.a``'s arrays, ``[modules, max_loras, max_lora_rank, in_features]``."""
-B_SLOT_AXIS = 1
-"""The slot axis of ``LoRAWeights.b``'s arrays, ``[modules, max_loras, max_lora_rank, out_features]``."""
+LORA_PARENTS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+"""The decoder layer's submodule that holds each merged projection."""
+B_SLOT_AXIS = 0
+"""The slot axis of ``LoRAWeights.b``'s arrays, ``[max_loras, modules, max_lora_rank, out_features]``."""
+
+LoRAKernels = dict[tuple[int, str], Float[Array, "in_features outputs_and_lora_columns"]]
+"""The kernels that carry the slots' A, by ``(layer, merged projection)``."""
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoRAWeights:
-    """Every slot's adapter weights, per merged projection (``LORA_GROUPS``' keys) and layer: ``a``
-    ``[modules, max_loras, max_lora_rank, in_features]`` and ``b`` ``[modules, max_loras, max_lora_rank,
-    out_features]``, whose ``out_features`` are every module's outputs one after another and each module's
-    rows are zero outside its own columns. One array per layer, so that a layer's matmuls read it whole
-    (a slice of a stack of layers would be copied out first)."""
+    """Every slot's B, per merged projection (``LORA_GROUPS``' keys) and layer: ``[max_loras, modules,
+    max_lora_rank, out_features]``, whose ``out_features`` are every module's outputs one after another and
+    each module's rows are zero outside its own columns. One array per layer, so that a layer's matmul reads
+    it whole (a slice of a stack of layers would be copied out first). The slots' A are columns of the base
+    kernels (``add_lora_columns``)."""
 
-    a: dict[str, list[Float[Array, "modules max_loras max_lora_rank in_features"]]]
-    b: dict[str, list[Float[Array, "modules max_loras max_lora_rank out_features"]]]
+    b: dict[str, list[Float[Array, "max_loras modules max_lora_rank out_features"]]]
     widths: tuple[tuple[str, int], ...] = dataclasses.field(metadata=dict(static=True))
     """Each module's ``out_features``, by name: where its columns lie in its projection's ``b``."""
+    in_features: tuple[tuple[str, int], ...] = dataclasses.field(metadata=dict(static=True))
+    """Each merged projection's ``in_features``, by name."""
 
     @classmethod
     def zeros(
@@ -69,30 +75,67 @@ class LoRAWeights:
         """Empty slots for the merged projections whose modules ``shapes`` has (``(in_features,
         out_features)`` by module, as ``TransformerConfig.projection_shapes`` gives): every token's
         product is zero until an adapter is set."""
-        a, b = {}, {}
+        b = {}
         for group, modules in _groups(shapes).items():
-            in_features, outputs = shapes[modules[0]][0], sum(shapes[m][1] for m in modules)
-            a_shape = (len(modules), max_loras, max_lora_rank, in_features)
-            a[group] = [jnp.zeros(a_shape, dtype) for _ in range(num_layers)]
-            b[group] = [jnp.zeros((len(modules), max_loras, max_lora_rank, outputs), dtype) for _ in range(num_layers)]
-        widths = tuple((m, shapes[m][1]) for modules in _groups(shapes).values() for m in modules)
-        return cls(a=a, b=b, widths=widths)
+            shape = (max_loras, len(modules), max_lora_rank, sum(shapes[m][1] for m in modules))
+            b[group] = [jnp.zeros(shape, dtype) for _ in range(num_layers)]
+        groups = _groups(shapes)
+        widths = tuple((m, shapes[m][1]) for modules in groups.values() for m in modules)
+        in_features = tuple((g, shapes[modules[0]][0]) for g, modules in groups.items())
+        return cls(b=b, widths=widths, in_features=in_features)
 
     @property
     def max_loras(self) -> int:
-        return next(iter(self.a.values()))[0].shape[A_SLOT_AXIS]
+        return next(iter(self.b.values()))[0].shape[B_SLOT_AXIS]
+
+    @property
+    def max_lora_rank(self) -> int:
+        return next(iter(self.b.values()))[0].shape[2]
 
     def one_slot(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         """The shapes of one slot's ``a`` and ``b`` arrays of every layer (what ``adapter_arrays`` makes)."""
-        drop = lambda layers, axis: (len(layers), *layers[0].shape[:axis], *layers[0].shape[axis + 1 :])
-        return (
-            {g: drop(w, A_SLOT_AXIS) for g, w in self.a.items()},
-            {g: drop(w, B_SLOT_AXIS) for g, w in self.b.items()},
-        )
+        in_features = dict(self.in_features)
+        b = {g: (len(layers), *layers[0].shape[1:]) for g, layers in self.b.items()}
+        a = {g: (*shape[:3], in_features[g]) for g, shape in b.items()}
+        return a, b
+
+    def lora_columns(self, group: str) -> int:
+        """The columns every slot's A of ``group`` takes in its kernel: slots x modules x rank."""
+        return self.max_loras * len(LORA_GROUPS[group]) * self.max_lora_rank
 
 
 def _groups(shapes: Mapping[str, tuple[int, int]]) -> dict[str, tuple[str, ...]]:
     return {group: modules for group, modules in LORA_GROUPS.items() if all(m in shapes for m in modules)}
+
+
+def add_lora_columns(model: Any, weights: LoRAWeights) -> None:
+    """Append to each LoRA projection's kernel of ``model`` (a ``CausalLM``, in place) zero columns for every
+    slot's A of ``weights``, the kernel flattened to ``[in, outputs + columns]``; the projection then adds
+    each token's LoRA product (``LoRALayer``). In place, so that the model's weights are never held twice."""
+    for layer in model.model.layers:
+        for group in weights.b:
+            projection = getattr(getattr(layer, LORA_PARENTS[group]), group)
+            if projection.lora_group is not None:
+                raise ValueError(
+                    "The model's projections already carry LoRA columns: one model serves one runner with LoRA "
+                    "(load the model again for another)."
+                )
+            kernel = projection.kernel[...]
+            flat = kernel.reshape(kernel.shape[0], -1)
+            zeros = jnp.zeros((flat.shape[0], weights.lora_columns(group)), flat.dtype)
+            projection.kernel.set_value(jnp.concatenate([flat, zeros], axis=1))
+            projection.lora_group = group
+
+
+def lora_kernel_leaves(params: nnx.State) -> dict[tuple[int, str], int]:
+    """The index, among ``jax.tree.leaves(params)``, of each LoRA projection's kernel, by ``(layer, group)``."""
+    indices = {}
+    for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0]):
+        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        if len(keys) >= 5 and keys[-5] == "layers" and keys[-1] == "kernel" and keys[-2] in LORA_GROUPS:
+            if keys[-3] == LORA_PARENTS[keys[-2]]:
+                indices[(int(keys[-4]), str(keys[-2]))] = index
+    return indices
 
 
 def adapter_arrays(
@@ -122,71 +165,63 @@ def _place(weights: LoRAWeights, module: str) -> tuple[str, int, slice]:
     return group, index, slice(start, start + widths[module])
 
 
-@jax.jit
 def set_slot(
+    kernels: LoRAKernels,
     weights: LoRAWeights,
     slot: Int[Array, ""],
     a: Mapping[str, Float[Array, "num_layers modules max_lora_rank in_features"]],
     b: Mapping[str, Float[Array, "num_layers modules max_lora_rank out_features"]],
-) -> LoRAWeights:
-    """``weights`` with slot ``slot`` holding ``a`` and ``b`` (a traced slot: one program for every slot)."""
+) -> tuple[LoRAKernels, LoRAWeights]:
+    """``kernels`` and ``weights`` with slot ``slot`` holding ``a`` and ``b`` (a traced slot: one program for
+    every slot). A slot's A columns are its modules' ranks, after the slots before it."""
+    new_kernels = {}
+    for (layer, group), kernel in kernels.items():
+        one = a[group][layer]  # [modules, rank, in]
+        width = one.shape[0] * one.shape[1]
+        start = kernel.shape[1] - weights.lora_columns(group) + slot * width
+        columns = one.reshape(width, -1).T.astype(kernel.dtype)
+        new_kernels[(layer, group)] = jax.lax.dynamic_update_slice(kernel, columns, (0, start))
 
-    def put(stacked, one, axis):
-        return jax.lax.dynamic_update_index_in_dim(stacked, one.astype(stacked.dtype), slot, axis=axis)
+    def put(stacked, one):
+        return jax.lax.dynamic_update_index_in_dim(stacked, one.astype(stacked.dtype), slot, axis=B_SLOT_AXIS)
 
-    return LoRAWeights(
-        a={g: [put(w, a[g][i], A_SLOT_AXIS) for i, w in enumerate(layers)] for g, layers in weights.a.items()},
-        b={g: [put(w, b[g][i], B_SLOT_AXIS) for i, w in enumerate(layers)] for g, layers in weights.b.items()},
-        widths=weights.widths,
-    )
+    new_b = {g: [put(w, b[g][i]) for i, w in enumerate(layers)] for g, layers in weights.b.items()}
+    return new_kernels, dataclasses.replace(weights, b=new_b)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoRALayer:
-    """One layer's slots and the step's tokens' slot mask, what the layer's projections add with."""
+    """One layer's slots' B and the step's tokens' slot mask, what the layer's projections add with."""
 
-    a: dict[str, Float[Array, "modules max_loras max_lora_rank in_features"]]
-    b: dict[str, Float[Array, "modules max_loras max_lora_rank out_features"]]
+    b: dict[str, Float[Array, "max_loras modules max_lora_rank out_features"]]
     token_mask: Float[Array, "num_tokens max_loras"]
 
-    def delta(self, group: str, x: Float[Array, "num_tokens in_features"]) -> Float[Array, "num_tokens out_features"]:
-        """``B_s A_s x_t`` of every module of ``group`` for each token ``t`` of slot ``s`` (zero for the base
-        model's tokens), the modules' outputs one after another."""
-        a, b = self.a[group].astype(x.dtype), self.b[group].astype(x.dtype)
-        modules, slots, rank, in_features = a.shape
-        shrunk = jnp.einsum("ti,ni->tn", x, a.reshape(-1, in_features)).reshape(-1, modules, slots, rank)
-        shrunk = shrunk * self.token_mask.astype(x.dtype)[:, None, :, None]
-        return jnp.dot(shrunk.reshape(x.shape[0], -1), b.reshape(-1, b.shape[-1]))
+    def add(
+        self,
+        group: str,
+        parts: Sequence[Float[Array, "num_tokens ..."]],
+        shrunk: Float[Array, "num_tokens lora_columns"],
+    ) -> list[Float[Array, "num_tokens ..."]]:
+        """``parts`` (the base outputs of ``group``'s modules, each of any shape with the module's outputs
+        flattened last) plus ``B_s`` times each token's own slot's shrink (``shrunk``: every slot's ``A_s
+        x_t``, the columns after the projection's outputs); zero for the base model's tokens."""
+        b = self.b[group].astype(shrunk.dtype)
+        num_tokens, slots = self.token_mask.shape
+        masked = shrunk.reshape(num_tokens, slots, -1) * self.token_mask.astype(shrunk.dtype)[:, :, None]
+        delta = jnp.dot(masked.reshape(num_tokens, -1), b.reshape(-1, b.shape[-1]))
+        bounds = np.cumsum([0] + [int(np.prod(p.shape[1:])) for p in parts])
+        return [p + delta[:, lo:hi].reshape(p.shape) for p, lo, hi in zip(parts, bounds[:-1], bounds[1:], strict=True)]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LoRABatch:
-    """What a step's model call needs for LoRA: the slots' weights and each token's slot (-1: none)."""
+    """What a step's model call needs for LoRA: the slots' B and each token's slot (-1: none)."""
 
     weights: LoRAWeights
     token_slots: Int[Array, " num_tokens"]
 
     def layer(self, index: int) -> LoRALayer:
         mask = self.token_slots[:, None] == jnp.arange(self.weights.max_loras, dtype=self.token_slots.dtype)
-        return LoRALayer(
-            a={g: w[index] for g, w in self.weights.a.items()},
-            b={g: w[index] for g, w in self.weights.b.items()},
-            token_mask=mask.astype(jnp.float32),
-        )
-
-
-def with_lora(
-    parts: Sequence[Float[Array, "num_tokens ..."]],
-    lora: LoRALayer | None,
-    group: str,
-    x: Float[Array, "num_tokens in_features"],
-) -> list[Float[Array, "num_tokens ..."]]:
-    """``parts`` (the base outputs of ``group``'s modules from ``x``, each of any shape with the module's
-    outputs flattened last) plus each module's LoRA product, when ``lora`` holds weights for ``group``."""
-    if lora is None or group not in lora.a:
-        return list(parts)
-    delta = lora.delta(group, x)
-    bounds = np.cumsum([0] + [int(np.prod(p.shape[1:])) for p in parts])
-    return [p + delta[:, lo:hi].reshape(p.shape) for p, lo, hi in zip(parts, bounds[:-1], bounds[1:], strict=True)]
+        return LoRALayer(b={g: w[index] for g, w in self.weights.b.items()}, token_mask=mask.astype(jnp.float32))

@@ -45,22 +45,26 @@ VISION_TOWER = "visual"
 """A vision-language model's vision tower: small beside the decoder, every device holds it whole."""
 
 
-def logical_axes(path: tuple) -> tuple[str | None, ...]:
+def logical_axes(path: tuple, ndim: int | None = None) -> tuple[str | None, ...]:
     """The logical axes of the parameter at ``path`` (an nnx path such as ``(..., "qkv_proj", "kernel")``);
-    none (replicated) for the vision tower's."""
+    none (replicated) for the vision tower's. A kernel of fewer axes (``ndim``) than its rule names is one
+    flattened to ``[in, outputs + LoRA columns]`` (``models/lora.py``): its input axis, outputs whole."""
     if path[0] == VISION_TOWER:
         return ()
     key = (str(path[-2]), str(path[-1]))
     if key not in PARAM_LOGICAL_AXES:
         raise ValueError(f"No sharding rule for parameter {'.'.join(map(str, path))}; add {key} to PARAM_LOGICAL_AXES.")
-    return PARAM_LOGICAL_AXES[key]
+    axes = PARAM_LOGICAL_AXES[key]
+    if ndim is not None and ndim < len(axes) and key[1] == "kernel":
+        return (axes[0],) + (None,) * (ndim - 1)
+    return axes
 
 
-def param_sharding(mesh: Mesh, path: tuple, rules: ShardingRules = RULES) -> NamedSharding:
-    """The sharding of the parameter at ``path`` on ``mesh``."""
-    return NamedSharding(mesh, rules.spec(logical_axes(path)))
+def param_sharding(mesh: Mesh, path: tuple, rules: ShardingRules = RULES, ndim: int | None = None) -> NamedSharding:
+    """The sharding of the parameter at ``path`` (of ``ndim`` axes, where known) on ``mesh``."""
+    return NamedSharding(mesh, rules.spec(logical_axes(path, ndim)))
 
 
 def param_shardings(mesh: Mesh, params: nnx.State, rules: ShardingRules = RULES) -> nnx.State:
     """A state of ``NamedSharding``s, one per parameter: a prefix of ``params`` for jit and device_put."""
-    return nnx.map_state(lambda path, _: param_sharding(mesh, path, rules), params)
+    return nnx.map_state(lambda path, v: param_sharding(mesh, path, rules, ndim=len(v.get_value().shape)), params)

@@ -32,7 +32,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxrunner.models import gemma, moe
 from jaxrunner.models.kv_cache_groups import KVCacheGroups
 from jaxrunner.models.layers import ACTIVATIONS, RMSNorm, apply_rope
-from jaxrunner.models.lora import LoRABatch, LoRALayer, with_lora
+from jaxrunner.models.lora import LoRABatch, LoRALayer
 from jaxrunner.models.moe import MoEConfig, SparseMoeBlock
 from jaxrunner.models.mrope import mrope_angles
 from jaxrunner.models.qwen2_vl_vision import VisionConfig
@@ -273,6 +273,7 @@ class MergedProjection(nnx.Module):
     ``[in, kv_heads, group + 2, head_dim]`` (each KV head next to its query heads,
     so a split over KV heads gives every device whole groups), gate/up ``[in, 2,
     intermediate]``. One matmul instead of two or three: fewer, larger kernels.
+    With LoRA the kernel is flattened to ``[in, outputs + LoRA columns]`` (``add_lora_columns``).
     """
 
     def __init__(
@@ -293,18 +294,53 @@ class MergedProjection(nnx.Module):
         self.bias = nnx.Param(jnp.zeros(shape[1:], param_dtype)) if use_bias else None
         self.parts = parts
         self.dtype = dtype
+        self.out_shape = shape[1:]
+        self.num_outputs = int(np.prod(self.out_shape))
+        self.lora_group: str | None = None  # the merged projection whose LoRA slots' A the kernel carries
 
     @property
     def split_points(self) -> np.ndarray:
         """Where each part after the first starts on the slot axis (the kernel's second-to-last)."""
         return np.cumsum([slots for _, slots in self.parts])[:-1]
 
-    def __call__(self, x: Float[Array, "num_tokens in_features"]) -> list[Float[Array, "num_tokens *groups _ width"]]:
-        """Each part's output, ``[num_tokens, *groups, slots, width]``."""
-        y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=1)
+    def __call__(
+        self, x: Float[Array, "num_tokens in_features"], lora: LoRALayer | None = None
+    ) -> list[Float[Array, "num_tokens *groups _ width"]]:
+        """Each part's output, ``[num_tokens, *groups, slots, width]``, with ``lora``'s product added where
+        the kernel carries the LoRA slots' A (``add_lora_columns``)."""
+        kernel, bias = self.kernel[...].astype(self.dtype), None if self.bias is None else self.bias[...]
+        if self.lora_group is None:
+            y = jnp.tensordot(x.astype(self.dtype), kernel, axes=1)
+            y = y if bias is None else y + bias.astype(self.dtype)
+            return jnp.split(y, self.split_points, axis=-2)
+        y, shrunk = _project(x, kernel, self.num_outputs, self.dtype)
+        y = y if bias is None else y + bias.astype(self.dtype).reshape(-1)
+        parts = jnp.split(y.reshape(x.shape[0], *self.out_shape), self.split_points, axis=-2)
+        return parts if lora is None else lora.add(self.lora_group, parts, shrunk)
+
+
+class Linear(nnx.Linear):
+    """Flax's Linear over ``[num_tokens, in]``, whose kernel may carry the LoRA slots' A after its outputs."""
+
+    lora_group: str | None = None
+    """The merged projection (``models/lora.py``) whose LoRA slots' A the kernel carries, if any."""
+
+    def __call__(  # pyright: ignore[reportIncompatibleMethodOverride]
+        self, x: Float[Array, "num_tokens in_features"], lora: LoRALayer | None = None
+    ) -> Float[Array, "num_tokens out_features"]:
+        y, shrunk = _project(x, self.kernel[...], self.out_features, self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
-        return jnp.split(y, self.split_points, axis=-2)
+        return y if lora is None or self.lora_group is None else lora.add(self.lora_group, [y], shrunk)[0]
+
+
+def _project(
+    x: Float[Array, "num_tokens in_features"], kernel: Float[Array, "in_features ..."], num_outputs: int, dtype
+) -> tuple[Float[Array, "num_tokens num_outputs"], Float[Array, "num_tokens lora_columns"]]:
+    """``x`` times the kernel (its outputs flattened): the projection's outputs, then the columns after them
+    (every LoRA slot's shrink where the kernel carries them; none otherwise)."""
+    y = jnp.dot(x.astype(dtype), kernel.astype(dtype).reshape(kernel.shape[0], -1))
+    return y[:, :num_outputs], y[:, num_outputs:]
 
 
 class Attention(nnx.Module):
@@ -322,7 +358,7 @@ class Attention(nnx.Module):
             param_dtype=param_dtype,
             rngs=rngs,
         )
-        self.o_proj = nnx.Linear(
+        self.o_proj = Linear(
             config.num_heads * config.head_dim,
             config.hidden_size,
             use_bias=config.o_proj_bias,
@@ -354,7 +390,7 @@ class Attention(nnx.Module):
     ) -> tuple[Float[Array, "num_tokens hidden_size"], KVCache]:
         t = x.shape[0]
         # [num_tokens, num_kv_heads, slots, head_dim]; query head h reads KV head h // group
-        q, k, v = with_lora(self.qkv_proj(x), lora, "qkv_proj", x)
+        q, k, v = self.qkv_proj(x, lora)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -375,8 +411,7 @@ class Attention(nnx.Module):
             soft_cap=self.soft_cap,
         )
         out = out.reshape(t, self.num_heads * self.head_dim)
-        (out,) = with_lora([self.o_proj(out)], lora, "o_proj", out)
-        return out, kv_cache
+        return self.o_proj(out, lora), kv_cache
 
     def kv_scales(
         self,
@@ -417,7 +452,7 @@ class MLP(nnx.Module):
             param_dtype=param_dtype,
             rngs=rngs,
         )
-        self.down_proj = nnx.Linear(
+        self.down_proj = Linear(
             config.intermediate_size,
             config.hidden_size,
             use_bias=config.mlp_bias,
@@ -430,10 +465,8 @@ class MLP(nnx.Module):
     def __call__(
         self, x: Float[Array, "num_tokens hidden_size"], lora: LoRALayer | None = None
     ) -> Float[Array, "num_tokens hidden_size"]:
-        gate, up = with_lora(self.gate_up_proj(x), lora, "gate_up_proj", x)
-        hidden = self.act(gate[:, 0]) * up[:, 0]
-        (out,) = with_lora([self.down_proj(hidden)], lora, "down_proj", hidden)
-        return out
+        gate, up = self.gate_up_proj(x, lora)
+        return self.down_proj(self.act(gate[:, 0]) * up[:, 0], lora)
 
 
 class DecoderLayer(nnx.Module):

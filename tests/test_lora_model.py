@@ -14,7 +14,15 @@ from packed_batch import packed_metadata
 from test_model_parity import BLOCK_SIZE, NUM_BLOCKS, pack, random_caches, random_prompts, rel_err
 
 from jaxrunner.models import load_model
-from jaxrunner.models.lora import LORA_MODULES, LoRABatch, LoRAWeights, adapter_arrays, set_slot
+from jaxrunner.models.lora import (
+    LORA_MODULES,
+    LoRABatch,
+    LoRAWeights,
+    adapter_arrays,
+    add_lora_columns,
+    lora_kernel_leaves,
+    set_slot,
+)
 from jaxrunner.models.lora_adapter import read_lora_adapter
 from jaxrunner.models.random_lora import save_random_lora_adapter
 from jaxrunner.runner.compilation import CompileCounter
@@ -32,6 +40,7 @@ ADAPTERS = {
     ),
 }
 SLOTS = {"some-r16-rs": 0, "all-r8": 2}  # slot 1 stays empty
+set_slot_jit = jax.jit(set_slot)  # one program for every slot, as the runner's
 
 
 def save_adapters(base_dir, root) -> dict[str, str]:
@@ -93,19 +102,33 @@ def lora_step(model):
     return step, state
 
 
-def step_inputs(model, config, seed: int):
-    """The jitted step, and its arguments but the LoRA batch, over ``PROMPT_LENS`` random prompts."""
+def step_inputs(base_dir, seed: int):
+    """The model with empty LoRA slots (``add_lora_columns``), its jitted step, and the step's arguments but
+    the LoRA batch over ``PROMPT_LENS`` random prompts: the parameters (whose kernels carry the slots' A)
+    first."""
+    model, config = load_model(base_dir)
+    weights = LoRAWeights.zeros(config.num_layers, config.projection_shapes(), MAX_LORAS, MAX_LORA_RANK, jnp.float32)
+    add_lora_columns(model, weights)
     prompts = random_prompts(config.vocab_size, PROMPT_LENS, seed=seed)
     metadata, positions = packed_metadata(
         PROMPT_LENS, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, num_tokens=NUM_TOKENS
     )
     step, state = lora_step(model)
     caches = random_caches(config, jnp.float32, 2)
-    return step, prompts, (state, pack(prompts, NUM_TOKENS), jnp.asarray(positions), caches, metadata)
+    return config, weights, step, prompts, [state, pack(prompts, NUM_TOKENS), jnp.asarray(positions), caches, metadata]
 
 
-def empty_slots(config) -> LoRAWeights:
-    return LoRAWeights.zeros(config.num_layers, config.projection_shapes(), MAX_LORAS, MAX_LORA_RANK, jnp.float32)
+def load_slot(args: list, weights: LoRAWeights, slot: int, adapter) -> LoRAWeights:
+    """Put ``adapter`` in ``slot``: its A into the parameters of ``args[0]`` (in place of the list), its B
+    into the slots' B returned."""
+    leaves, treedef = jax.tree.flatten(args[0])
+    index = lora_kernel_leaves(args[0])
+    kernels = {key: leaves[i] for key, i in index.items()}
+    kernels, weights = set_slot_jit(kernels, weights, jnp.int32(slot), *adapter_arrays(adapter.weights, weights))
+    for key, i in index.items():
+        leaves[i] = kernels[key]
+    args[0] = jax.tree.unflatten(treedef, leaves)
+    return weights
 
 
 def token_slots(adapters: list[str | None]) -> jax.Array:
@@ -118,12 +141,9 @@ def token_slots(adapters: list[str | None]) -> jax.Array:
 
 def test_prompt_logits_match_peft_per_adapter(checkpoints):
     base_dir, adapter_paths = checkpoints
-    model, config = load_model(base_dir)
-    weights = empty_slots(config)
+    config, weights, step, prompts, args = step_inputs(base_dir, seed=3)
     for name, slot in SLOTS.items():
-        adapter = read_lora_adapter(name, adapter_paths[name], config, MAX_LORA_RANK)
-        weights = set_slot(weights, jnp.int32(slot), *adapter_arrays(adapter.weights, weights))
-    step, prompts, args = step_inputs(model, config, seed=3)
+        weights = load_slot(args, weights, slot, read_lora_adapter(name, adapter_paths[name], config, MAX_LORA_RANK))
 
     logits = np.asarray(step(*args, LoRABatch(weights, token_slots(PROMPT_ADAPTERS))))
     compiled = CompileCounter.count()
@@ -143,18 +163,16 @@ def test_prompt_logits_match_peft_per_adapter(checkpoints):
 def test_swapping_adapters_compiles_nothing(checkpoints):
     """Setting a slot is one program for every slot; the step takes new weights without compiling."""
     base_dir, adapter_paths = checkpoints
-    model, config = load_model(base_dir)
-    weights = empty_slots(config)
-    step, _, args = step_inputs(model, config, seed=4)
+    config, weights, step, _, args = step_inputs(base_dir, seed=4)
     slots = token_slots(PROMPT_ADAPTERS)
     adapters = [read_lora_adapter(name, path, config, MAX_LORA_RANK) for name, path in adapter_paths.items()]
+    weights = load_slot(args, weights, 0, adapters[0])  # warm-up
     step(*args, LoRABatch(weights, slots))
-    weights = set_slot(weights, jnp.int32(0), *adapter_arrays(adapters[0].weights, weights))  # warm-up
     compiled = CompileCounter.count()
     outputs = []
     for adapter in adapters:
         for slot in range(MAX_LORAS):
-            weights = set_slot(weights, jnp.int32(slot), *adapter_arrays(adapter.weights, weights))
+            weights = load_slot(args, weights, slot, adapter)
         outputs.append(np.asarray(step(*args, LoRABatch(weights, slots))))
     assert CompileCounter.count() == compiled
     assert rel_err(outputs[0], outputs[1]) > 1e-2  # the swap took effect
@@ -164,11 +182,9 @@ def test_random_adapter_loads_in_peft_and_matches(checkpoints, tmp_path):
     """A random adapter written for a model (as the built-in models get theirs) is one PEFT loads, and the
     model with it in a slot gives PEFT's logits."""
     base_dir, _ = checkpoints
-    model, config = load_model(base_dir)
+    config, weights, step, prompts, args = step_inputs(base_dir, seed=5)
     path = save_random_lora_adapter(tmp_path / "random", config, rank=8, target_modules=["q_proj", "up_proj"], seed=7)
-    adapter = read_lora_adapter("random", path, config, MAX_LORA_RANK)
-    weights = set_slot(empty_slots(config), jnp.int32(1), *adapter_arrays(adapter.weights, empty_slots(config)))
-    step, prompts, args = step_inputs(model, config, seed=5)
+    weights = load_slot(args, weights, 1, read_lora_adapter("random", path, config, MAX_LORA_RANK))
     logits = np.asarray(step(*args, LoRABatch(weights, jnp.where(jnp.arange(NUM_TOKENS) < sum(PROMPT_LENS), 1, -1))))
 
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")

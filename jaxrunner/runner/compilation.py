@@ -280,7 +280,8 @@ class ProgramInputs:
     vocab_size: int
     cache_sharding: jax.sharding.Sharding  # the KV caches': split on KV heads
     replicated: jax.sharding.Sharding  # everything else's
-    lora_weights: LoRAWeights | None = None  # the LoRA slots (of ShapeDtypeStructs); None: LoRA off
+    lora_weights: LoRAWeights | None = None  # the LoRA slots' B (of ShapeDtypeStructs); None: LoRA off
+    lora_kernels: dict[tuple[int, str], jax.ShapeDtypeStruct] | None = None  # the parameters that carry the slots' A
     encoder_cache: jax.ShapeDtypeStruct | None = None  # a vision-language model's encoder outputs, [rows, E]
     patch_features: int = 0  # features of one image patch, what the vision encoder reads
     max_image_patches: int = 0  # the largest image the encoder takes, in patches (a multiple of merge_area)
@@ -298,8 +299,8 @@ class CompilationManager:
     vision-language model ``encode_image`` (patch bucket: one image a call), and
     with a KV connector ``kv_gather`` and ``kv_scatter`` (bucket of blocks). Programs that
     take the KV cache are lowered for ``num_blocks`` blocks, set once the cache is
-    sized. With LoRA the forward programs take the slots' weights as an argument
-    (not donated), so loading an adapter changes an input, never a program.
+    sized. With LoRA the forward programs take the slots' B as an argument (not
+    donated) and their A in the parameters, so loading an adapter changes inputs, never a program.
     """
 
     def __init__(
@@ -641,10 +642,11 @@ class CompilationManager:
         return scatter_jit.lower(caches, ids, blocks, blocks)
 
     def _lower_set_lora_slot(self) -> jax.stages.Lowered:
-        """``set_slot`` over the LoRA slots, a traced slot and one adapter's float32 arrays (``adapter_arrays``)."""
-        weights = self.inputs.lora_weights
+        """``set_slot`` over the LoRA kernels (donated: rewritten in place) and the slots' B, a traced slot and
+        one adapter's float32 arrays (``adapter_arrays``)."""
+        weights, kernels = self.inputs.lora_weights, self.inputs.lora_kernels
         assert weights is not None, "set_lora_slot exists with LoRA only"
         a_shapes, b_shapes = weights.one_slot()
         one_slot = lambda shapes: {name: self._input(shape, jnp.float32) for name, shape in shapes.items()}
-        set_slot_jit = jax.jit(set_slot, out_shardings=self.inputs.replicated)
-        return set_slot_jit.lower(weights, self._input((), jnp.int32), one_slot(a_shapes), one_slot(b_shapes))
+        set_slot_jit = jax.jit(set_slot, donate_argnums=(0,), out_shardings=self.inputs.replicated)
+        return set_slot_jit.lower(kernels, weights, self._input((), jnp.int32), one_slot(a_shapes), one_slot(b_shapes))

@@ -1,10 +1,13 @@
 """LoRA adapters in the runner (vLLM's ``LoRAModelRunnerMixin``): device slots, each request's slot, the host's LRU.
 
-On the device, ``max_loras`` slots of adapter weights (``LoRAWeights``) are an
-argument of the forward programs, never donated (so they outlive any step cut
-short); each request's slot is per-request device state (``DeviceState.lora_slots``,
-written with the request's row), from which the forward step computes each
-token's. On the host, ``LoRASlots`` keeps the slot table and an LRU of adapters
+On the device, ``max_loras`` slots of adapter weights: their A, columns of the
+model's own projection kernels (``add_lora_columns``), which loading an adapter
+rewrites in place (donated: the model is never held twice), and their B
+(``LoRAWeights``), an argument of the forward programs that is never donated (so
+it outlives any step cut short). Each request's slot is per-request device state
+(``DeviceState.lora_slots``, written with the request's row), from which the
+forward step computes each token's. On the host, ``LoRASlots`` keeps the slot
+table and an LRU of adapters
 read from disk (``max_cpu_loras``). A request joining with an adapter no slot
 holds takes the least recently used slot that no running request uses, loaded by
 one program for every slot; a slot whose last request leaves keeps its weights,
@@ -26,7 +29,7 @@ from jaxrunner.config import LoRAConfig, RunnerConfig
 from jaxrunner.interfaces import NewRequestData
 from jaxrunner.lora.request import LoRARequest
 from jaxrunner.models import TransformerConfig
-from jaxrunner.models.lora import LoRAWeights, adapter_arrays
+from jaxrunner.models.lora import LoRAKernels, LoRAWeights, adapter_arrays
 from jaxrunner.models.lora_adapter import LoRAAdapter, read_lora_adapter
 from jaxrunner.runner.states import NO_LORA
 from jaxrunner.spans import Spans
@@ -87,26 +90,28 @@ class LoRASlots:
     """The device's adapter slots, which adapter each holds, and which running requests use each
     (a ``RequestFeatureState`` of the runner).
 
-    ``weights`` are the slots' current weights (of ``arch``'s projections, in
-    ``dtype``, placed with ``sharding``), which the runner passes to its forward
-    programs; ``load_program()`` gives the compiled program that sets one slot.
+    ``weights`` are the slots' current B (of ``arch``'s projections, in ``dtype``,
+    placed with ``sharding``), which the runner passes to its forward programs;
+    ``param_leaves`` is the runner's list of parameter leaves, whose LoRA kernels
+    (``kernel_leaves``: index by ``(layer, projection)``) hold the slots' A;
+    ``load_program()`` gives the compiled program that sets one slot in both.
     """
 
     def __init__(
         self,
+        weights: LoRAWeights,
         config: LoRAConfig,
         arch: TransformerConfig,
-        dtype,
-        sharding: jax.sharding.Sharding,
+        param_leaves: list[jax.Array],
+        kernel_leaves: dict[tuple[int, str], int],
         load_program: Callable[[], jax.stages.Compiled],
         spans: Spans,
     ):
         assert config.max_cpu_loras is not None  # LoRAConfig defaults it to max_loras
         self.max_loras = config.max_loras
-        empty = lambda: LoRAWeights.zeros(
-            arch.num_layers, arch.projection_shapes(), config.max_loras, config.max_lora_rank, dtype
-        )
-        self.weights: LoRAWeights = jax.jit(empty, out_shardings=sharding)()  # made in place
+        self.weights = weights
+        self._param_leaves = param_leaves
+        self._kernel_leaves = kernel_leaves
         self.adapters = AdapterCache(config.max_cpu_loras, arch, config.max_lora_rank)
         self._load_program = load_program
         self._spans = spans
@@ -154,6 +159,11 @@ class LoRASlots:
         return len(self._unused)
 
     @property
+    def kernels(self) -> LoRAKernels:
+        """The parameters that carry the slots' A, by ``(layer, projection)``."""
+        return {key: self._param_leaves[index] for key, index in self._kernel_leaves.items()}
+
+    @property
     def loaded(self) -> dict[int, int]:
         """``lora_int_id`` -> slot of every adapter a slot holds."""
         return {held.lora_int_id: slot for slot, held in enumerate(self._held) if held is not None}
@@ -173,6 +183,8 @@ class LoRASlots:
         with self._spans("load_lora"):
             a, b = adapter_arrays(adapter.weights, like=self.weights)
             with self._spans("program_call"):
-                self.weights = self._load_program()(self.weights, np.int32(slot), a, b)
+                kernels, self.weights = self._load_program()(self.kernels, self.weights, np.int32(slot), a, b)
+            for key, index in self._kernel_leaves.items():
+                self._param_leaves[index] = kernels[key]
         self._held[slot] = lora_request  # evicting the adapter it held
         return slot

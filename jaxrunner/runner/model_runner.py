@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrunner import envs
-from jaxrunner.config import CACHE_DTYPES, ParallelConfig, RunnerConfig
+from jaxrunner.config import CACHE_DTYPES, LoRAConfig, ParallelConfig, RunnerConfig
 from jaxrunner.interfaces import (
     AsyncModelRunnerOutput,
     GrammarOutput,
@@ -55,7 +55,7 @@ from jaxrunner.models.converted import save_converted
 from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.kv_cache_groups import KVCacheGroups
 from jaxrunner.models.loader import load_eagle_head
-from jaxrunner.models.lora import LoRAWeights
+from jaxrunner.models.lora import LoRAWeights, add_lora_columns, lora_kernel_leaves
 from jaxrunner.models.partitioning import param_shardings
 from jaxrunner.models.transformer import PENDING_KV_SCALE, KVScale
 from jaxrunner.ops import AttentionBackend
@@ -196,9 +196,13 @@ class ModelRunner:
             self.vocab_size = self.model_arch.vocab_size
             self.max_model_len = self._max_model_len(self.model_arch.max_position_embeddings)
             self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+            lora_config = self.config.lora_config
+            lora_weights = None if lora_config is None else self._empty_lora_slots(lora_config, model)
+            if lora_weights is not None:
+                add_lora_columns(model, lora_weights)
             graphdef, params = nnx.split(self._with_kv_scale_mode(self._built_for_mesh(model)))
-            self.params = self._place(params)
-            self._param_leaves, params_treedef = jax.tree.flatten(self.params)
+            self._param_leaves, params_treedef = jax.tree.flatten(self._place(params))
+            self._params_treedef = params_treedef
             kv_dtype = jnp.dtype(CACHE_DTYPES[self.cache_config.cache_dtype] or model.dtype)
             self.attention_backend.check_kv_cache_dtype(
                 kv_dtype, model.dtype, self.model_arch.head_dim, self.block_size
@@ -243,11 +247,18 @@ class ModelRunner:
             draft_params = None if self.drafter is None else self._place(self.drafter.params)
             self._draft_leaves, draft_params_treedef = jax.tree.flatten(draft_params)
             self.draft_kv_caches: KVCaches = []
-            lora_config, set_lora_slot = self.config.lora_config, lambda: self.compilation.set_lora_slot.get(None)
             self.lora = (
                 None
-                if lora_config is None
-                else LoRASlots(lora_config, self.model_arch, model.dtype, self.replicated, set_lora_slot, self.spans)
+                if lora_config is None or lora_weights is None
+                else LoRASlots(
+                    lora_weights,
+                    lora_config,
+                    self.model_arch,
+                    self._param_leaves,
+                    lora_kernel_leaves(self.params),
+                    lambda: self.compilation.set_lora_slot.get(None),
+                    self.spans,
+                )
             )
             self.statics = StepStatics(
                 graphdef=graphdef,
@@ -330,6 +341,20 @@ class ModelRunner:
         module.set_attributes(calculate_kv_scales=self.cache_config.calculate_kv_scales)
         return module
 
+    @property
+    def params(self) -> nnx.State:
+        """The model's parameters as the forward programs take them (with LoRA, its kernels carry the
+        slots' A)."""
+        return jax.tree.unflatten(self._params_treedef, self._param_leaves)
+
+    def _empty_lora_slots(self, lora_config: LoRAConfig, model: CausalLM) -> LoRAWeights:
+        """Empty LoRA slots' B for ``model``, on every device."""
+        arch = model.config
+        empty = lambda: LoRAWeights.zeros(
+            arch.num_layers, arch.projection_shapes(), lora_config.max_loras, lora_config.max_lora_rank, model.dtype
+        )
+        return jax.jit(empty, out_shardings=self.replicated)()  # made in place
+
     def _initial_kv_scales(self, params: nnx.State | None) -> nnx.State:
         """The device state's KV cache scales of a module's ``params`` (None: no module): copies of the
         loaded ones (the state is donated), or pending ones (set by the first write) with ``calculate_kv_scales``."""
@@ -353,6 +378,7 @@ class ModelRunner:
             cache_sharding=self.kv_cache_sharding,
             replicated=self.replicated,
             lora_weights=abstract(self.lora_weights),
+            lora_kernels=None if self.lora is None else abstract(self.lora.kernels),
             encoder_cache=None if encoder is None else abstract(encoder.cache),
             patch_features=0 if vision is None else vision.patch_features,
             max_image_patches=encoder.merge_area * self.max_image_embeds if encoder and self.max_image_embeds else 0,
@@ -400,6 +426,11 @@ class ModelRunner:
         name = self.model_config.model
         if name is None or is_builtin(name) or self.model is None:
             raise ValueError(f"model {name!r} is no checkpoint directory: only a loaded checkpoint can be converted")
+        if self.lora is not None:
+            raise ValueError(
+                "save_converted with LoRA on would write the LoRA slots' columns into the projections: "
+                "convert the model with enable_lora=False (the converted model serves adapters as well)."
+            )
         save_converted(self.params, self.model, name, out_dir)
 
     def _load_named(self, name: str) -> CausalLM:
