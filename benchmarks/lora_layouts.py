@@ -9,10 +9,9 @@ the same product ``B_s A_s x`` to every projection:
   runner first did;
 - ``grouped``: one ``A [in, module * slot * rank]`` per merged projection, the
   tokens' slot mask, one block-diagonal ``B``;
-- ``grouped_t``: the same with ``A`` stored ``[module * slot * rank, in]`` (the
-  runner's layout);
+- ``grouped_t``: the same with ``A`` stored ``[module * slot * rank, in]``;
 - ``columns``: ``A``'s columns appended to the base weight, so that one matmul
-  gives the projection and the shrink.
+  gives the projection and the shrink (the runner's layout).
 
 The weights are arguments of the compiled step (never constants); on a GPU a step
 of ``CUBLAS_MIN_ROWS`` rows or more takes cuBLAS for its matmuls, as the runner's
