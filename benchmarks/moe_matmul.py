@@ -12,7 +12,10 @@ layer's two products (gate/up, then down) with the routing applied:
   the dense product a static-shape loop over experts amounts to;
 - ``gathered``: each (token, expert) pair gathers its expert's matrices and
   multiplies its one row (reads one matrix a pair: the floor while pairs are
-  fewer than experts).
+  fewer than experts);
+- ``grouped_kernel``: the model's path with ``ops/grouped_matmul_mgpu``'s
+  Mosaic GPU kernel (Hopper only: left out on other backends), which reads
+  only the touched experts.
 
 ``--scale`` divides the widths so that the script runs on a CPU in seconds (the
 test suite's check).
@@ -60,14 +63,19 @@ def grouped(x, weights, experts, gate_up, down):
     return experts_forward(x, weights, experts, gate_up, down, ACT)
 
 
-WAYS = {"grouped": grouped, "per_expert_loop": per_expert_loop, "gathered": gathered}
+def grouped_kernel(x, weights, experts, gate_up, down):
+    return experts_forward(x, weights, experts, gate_up, down, ACT, impl="mgpu")
+
+
+WAYS = {"grouped": grouped, "per_expert_loop": per_expert_loop, "gathered": gathered, "grouped_kernel": grouped_kernel}
+GPU_ONLY = ("grouped_kernel",)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--scale", type=int, default=1, help="divide hidden and expert widths by this")
-    parser.add_argument("--ways", nargs="+", choices=sorted(WAYS), default=list(WAYS))
+    parser.add_argument("--ways", nargs="+", choices=sorted(WAYS), help="default: every way the backend runs")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--floor-elements", type=int, default=1 << 30)
     parser.add_argument("--out", default="moe_matmul.json")
@@ -77,6 +85,7 @@ def main() -> None:
     assert arch.moe is not None
     hidden, features = arch.hidden_size // args.scale, arch.moe.intermediate_size // args.scale
     num_experts, top_k = arch.moe.num_experts, arch.moe.top_k
+    ways = args.ways or [w for w in WAYS if jax.default_backend() == "gpu" or w not in GPU_ONLY]
     floors = measure_floors(args.floor_elements)
     keys = jax.random.split(jax.random.key(0), 4)
     gate_up = (jax.random.normal(keys[0], (num_experts, hidden, 2, features), jnp.float32) * 0.02).astype(jnp.bfloat16)
@@ -90,7 +99,12 @@ def main() -> None:
         touched = len(np.unique(np.asarray(experts)))
         floor = touched * expert_bytes / floors["copy_bytes_per_s"]
         row: dict = dict(tokens=tokens, experts_touched=touched, floor_ms=floor * 1e3)
-        for name in args.ways:
+        if "grouped" in ways:
+            reference = jax.jit(grouped)(x, weights, experts, gate_up, down)
+            for name in ways:
+                got = jax.jit(WAYS[name])(x, weights, experts, gate_up, down)
+                row[f"{name}_max_abs_diff"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - reference)))
+        for name in ways:
             run = functools.partial(jax.jit(WAYS[name]), x, weights, experts, gate_up, down)
             seconds = median_seconds(run, args.repeats)
             row[f"{name}_ms"] = seconds * 1e3

@@ -150,12 +150,13 @@ def experts_forward(
     gate_up: Float[Array, "num_experts hidden_size 2 features"],
     down: Float[Array, "num_experts features hidden_size"],
     act: Callable[[jax.Array], jax.Array],
+    impl: str = "reference",
 ) -> Float[Array, "num_tokens hidden_size"]:
     """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])``, each expert running only its own rows.
 
     The ``num_tokens * top_k`` (token, expert) pairs are sorted by expert (stable),
-    counted per expert, run through the two grouped matmuls, then put back in order
-    and summed in float32.
+    counted per expert, run through the two grouped matmuls (``impl``: ``ops/grouped_matmul.py``'s),
+    then put back in order and summed in float32.
     """
     num_tokens, top_k = experts.shape
     num_experts, hidden, _, features = gate_up.shape
@@ -163,8 +164,8 @@ def experts_forward(
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rows = x[order // top_k]
-    gate_and_up = grouped_matmul(rows, gate_up.reshape(num_experts, hidden, 2 * features), group_sizes)
+    gate_and_up = grouped_matmul(rows, gate_up.reshape(num_experts, hidden, 2 * features), group_sizes, impl=impl)
     hidden_rows = act(gate_and_up[:, :features]) * gate_and_up[:, features:]
-    out_sorted = grouped_matmul(hidden_rows, down, group_sizes)
+    out_sorted = grouped_matmul(hidden_rows, down, group_sizes, impl=impl)
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, top_k, hidden)
     return jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights).astype(x.dtype)
