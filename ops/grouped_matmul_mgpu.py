@@ -88,7 +88,7 @@ def _kernel_body(fields_ref, lhs_ref, rhs_ref, out_ref, *, config: GroupedMatmul
             )(lhs_ref.at[pl.ds(row_start, bm)], rhs_ref.at[group])
             return acc_ref[...]
 
-        acc = pl.run_scoped(multiply, plgpu.ACC((bm, bn), jnp.float32))
+        acc = pl.run_scoped(multiply, plgpu.WGMMAAccumulatorRef((bm, bn), jnp.float32))
 
         def store(out_smem):
             out_smem[...] = acc.astype(dtype)
