@@ -15,7 +15,10 @@ layer's two products (gate/up, then down) with the routing applied:
   fewer than experts);
 - ``grouped_kernel``: the model's path with ``ops/grouped_matmul_mgpu``'s
   Mosaic GPU kernel (Hopper only: left out on other backends), which reads
-  only the touched experts.
+  only the touched experts;
+- ``grouped_jax_example``: the peer, the model's path with JAX's own Mosaic GPU
+  ``ragged_dot`` example kernel (``jax.experimental.pallas.ops.gpu``, Hopper
+  only), at 64 x 128 x 64 blocks and 4 stages like ours.
 
 ``--scale`` divides the widths so that the script runs on a CPU in seconds (the
 test suite's check).
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +71,25 @@ def grouped_kernel(x, weights, experts, gate_up, down):
     return experts_forward(x, weights, experts, gate_up, down, ACT, impl="mgpu")
 
 
-WAYS = {"grouped": grouped, "per_expert_loop": per_expert_loop, "gathered": gathered, "grouped_kernel": grouped_kernel}
-GPU_ONLY = ("grouped_kernel",)
+def grouped_jax_example(x, weights, experts, gate_up, down):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    blocks = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+    with mock.patch(
+        "jaxrunner.models.moe.grouped_matmul",
+        lambda lhs, rhs, sizes, impl: ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, **blocks),
+    ):
+        return experts_forward(x, weights, experts, gate_up, down, ACT)
+
+
+WAYS = {
+    "grouped": grouped,
+    "per_expert_loop": per_expert_loop,
+    "gathered": gathered,
+    "grouped_kernel": grouped_kernel,
+    "grouped_jax_example": grouped_jax_example,
+}
+GPU_ONLY = ("grouped_kernel", "grouped_jax_example")
 
 
 def main() -> None:
