@@ -74,11 +74,12 @@ def grouped_kernel(x, weights, experts, gate_up, down):
 def grouped_jax_example(x, weights, experts, gate_up, down):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    blocks = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
-    with mock.patch(
-        "jaxrunner.models.moe.grouped_matmul",
-        lambda lhs, rhs, sizes, impl: ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, **blocks),
-    ):
+    def example(lhs, rhs, sizes, impl):
+        return ragged_dot_mgpu.ragged_dot(
+            lhs, rhs, group_sizes=sizes, block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1
+        )
+
+    with mock.patch("jaxrunner.models.moe.grouped_matmul", example):
         return experts_forward(x, weights, experts, gate_up, down, ACT)
 
 

@@ -412,10 +412,14 @@ def _serve(args: argparse.Namespace) -> None:
 
     args.model = args.model_tag or args.model
     loras = _lora_requests(args)
-    llm = _make_llm(args)
-    _check_loras(llm, loras)
-    print(_model_line(args.model))
-    serve(llm, args.served_model_name or args.model, loras, args.host, args.port, args.api_key)
+
+    def make_llm() -> engine_llm.LLM:
+        llm = _make_llm(args)
+        _check_loras(llm, loras)
+        print(_model_line(args.model), flush=True)
+        return llm
+
+    serve(make_llm, args.served_model_name or args.model, loras, args.host, args.port, args.api_key)
 
 
 def build_parser() -> argparse.ArgumentParser:

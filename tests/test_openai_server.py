@@ -389,3 +389,54 @@ def test_metrics_parse_as_prometheus_text(server):
     assert values["vllm:inter_token_latency_seconds_count"] >= 100 * 5
     # The concurrent clients' prompts share their first blocks: the prefix cache found them.
     assert 0 < values["vllm:prefix_cache_hits_total"] < values["vllm:prefix_cache_queries_total"]
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_the_server_answers_503_while_the_model_loads_then_serves(cache_dir):
+    release = threading.Event()
+
+    def make_llm() -> LLM:
+        assert release.wait(60), "the test never let the model load"
+        return LLM(
+            "tiny-llama",
+            max_num_seqs=2,
+            max_num_batched_tokens=32,
+            num_gpu_blocks_override=64,
+            token_buckets=[8, 32],
+            request_buckets=[2],
+            compilation_cache_dir=cache_dir,
+        )
+
+    errors: list[BaseException] = []
+    with _Server(build_app(make_llm, MODEL, on_load_error=errors.append)) as running:
+        assert httpx.get(f"{running.url}/health").status_code == 503
+        reply = httpx.get(f"{running.url}/v1/models")
+        assert reply.status_code == 503
+        assert reply.json()["error"]["type"] == "ServiceUnavailableError"
+        assert "still loading" in reply.json()["error"]["message"]
+        release.set()
+        _wait_for(lambda: errors or httpx.get(f"{running.url}/health").status_code == 200, 300, "the model to load")
+        assert not errors
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
+        completion = client.completions.create(model=MODEL, prompt="ab", max_tokens=3, **GREEDY)
+        assert completion.usage is not None and completion.usage.completion_tokens == 3
+
+
+def test_a_model_that_fails_to_load_is_reported_and_answers_503():
+    errors: list[BaseException] = []
+
+    def make_llm() -> LLM:
+        raise ValueError("no checkpoint at /nowhere")
+
+    with _Server(build_app(make_llm, MODEL, on_load_error=errors.append)) as running:
+        _wait_for(lambda: bool(errors), 30, "the load to fail")
+        assert isinstance(errors[0], ValueError)
+        assert httpx.get(f"{running.url}/health").status_code == 503
+        reply = httpx.post(f"{running.url}/v1/completions", json=dict(model=MODEL, prompt="a"))
+        assert reply.status_code == 503 and "no checkpoint at /nowhere" in reply.json()["error"]["message"]
