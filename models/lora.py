@@ -44,7 +44,7 @@ LORA_PARENTS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": 
 B_SLOT_AXIS = 0
 """The slot axis of ``LoRAWeights.b``'s arrays, ``[max_loras, modules, max_lora_rank, out_features]``."""
 
-LoRAKernels = dict[tuple[int, str], Float[Array, "in_features outputs_and_lora_columns"]]
+LoRAKernels = dict[tuple[int, str], Float[Array, "in_features kernel_columns"]]
 """The kernels that carry the slots' A, by ``(layer, merged projection)``."""
 
 
