@@ -124,12 +124,15 @@ def grouped_matmul_mgpu(
             f"block_k {config.block_k} and block_n {config.block_n}"
         )
     fields = tile_schedule(group_sizes, num_rows, config.block_m)
-    padded = jnp.pad(lhs, ((0, config.block_m), (0, 0)))  # a last tile's block reads past the last row
-    return plgpu.kernel(
+    # A last tile's block reads past the last row; TMA's tiled rows come in eights.
+    padded_rows = -(-(num_rows + config.block_m) // 8) * 8
+    padded = jnp.pad(lhs, ((0, padded_rows - num_rows), (0, 0)))
+    out = plgpu.kernel(
         functools.partial(_kernel_body, config=config),
-        out_type=jax.ShapeDtypeStruct((num_rows, out_features), lhs.dtype),
+        out_type=jax.ShapeDtypeStruct((-(-num_rows // 8) * 8, out_features), lhs.dtype),
         grid=(fields.shape[0], out_features // config.block_n),
         grid_names=("tile", "column_block"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
     )(fields, padded, rhs.astype(lhs.dtype))
+    return out[:num_rows]
