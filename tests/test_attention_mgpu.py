@@ -167,6 +167,17 @@ def test_config_table_splits_only_small_grids():
     assert prefill.num_kv_splits == 1 and prefill.num_compute_wgs == 2
 
 
+def test_fp8_decode_takes_persistent_programs_and_two_widening_warpgroups():
+    """The H100 sweep's choice for decode over an FP8 cache; a bf16 cache and FP8 prefills keep one program an
+    item and one copy warpgroup."""
+    fp8_decode = choose_config(64, 64, 4, 8, 128, 16, 256, 2, num_sms=132, cache_itemsize=1)
+    assert fp8_decode.num_programs == 132 and fp8_decode.num_widening_wgs == 2
+    bf16_decode = choose_config(64, 64, 4, 8, 128, 16, 256, 2, num_sms=132)
+    fp8_prefill = choose_config(8192, 1, 4, 8, 128, 16, 512, 2, num_sms=132, cache_itemsize=1)
+    for config in (bf16_decode, fp8_prefill):
+        assert config.num_programs is None and config.num_widening_wgs == 1
+
+
 def test_split_model_keeps_the_sweeps_optima_and_the_sms_busy():
     """The split model against the H100 sweep's fastest split counts (16 stages of 64 keys = 1k),
     and a grid of 9 requests at 4k (72 programs) is split rather than left on 72 of 132 SMs."""

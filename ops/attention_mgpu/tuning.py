@@ -170,10 +170,11 @@ def choose_config(
     warpgroup, 64-key stages in a ring of about 96 KiB (sized for two programs a
     SM, though at 153 registers a thread one program fills an SM's register file)
     and in-place ``P V`` accumulation; KV splits by :func:`choose_splits`, over the
-    stages of the longest possible request (the block table's width). Persistent
-    programs and two widening warpgroups are built and tested but not yet the
-    table's choice: the sweep (``persistent_flipped``, ``widening_wgs_flipped``)
-    decides them on the GPU.
+    stages of the longest possible request (the block table's width). Over an FP8
+    cache, one persistent program a SM (the next item's first stages stream while
+    the last one's finish) and two widening warpgroups (keys and values widened side
+    by side): together about a fifth less kernel time at 64 x 4k and 256 x 1k on an
+    H100 than one program an item with one widening warpgroup.
 
     Prefills use two compute warpgroups in ping-pong with the register split and
     in-place accumulation, tiles launched longest first, and 128-key stages in as many
@@ -210,6 +211,8 @@ def choose_config(
             num_compute_wgs=1,
             num_kv_splits=splits,
             accumulate_in_place=True,
+            num_programs=num_sms if widened_bytes else None,
+            num_widening_wgs=2 if widened_bytes else 1,
         )
     splits = choose_splits(tiles * num_kv_heads, kv_stages, num_sms)
     two_stages = KernelConfig(
