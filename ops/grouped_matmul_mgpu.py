@@ -4,7 +4,9 @@ Rows sorted by group (``ops/grouped_matmul.py``'s contract) are cut into tiles o
 at most ``block_m`` rows of one group each (:func:`tile_schedule`, on the device);
 one program per (tile, column block) streams its group's ``[K, block_n]`` slice of
 ``rhs`` through a ring of shared-memory stages by TMA and multiplies it on the
-tensor cores (wgmma), then stores only its tile's rows. A group with no rows has no
+tensor cores (wgmma). Each tile's rows are gathered into a block of their own
+first (a TMA copy of the tiled layout starts on a whole 8-row tile), and its
+outputs come back from the same block. A group with no rows has no
 tile, so its matrix is never read: at decode sizes the kernel reads the experts the
 tokens were routed to, once each (XLA's ``ragged_dot`` on the GPU reads every
 expert). Tiles past the last are empty programs that exit at once.
@@ -67,7 +69,7 @@ def _transforms(dtype, width: int) -> tuple:
 def _kernel_body(fields_ref, lhs_ref, rhs_ref, out_ref, *, config: GroupedMatmulConfig):
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     tile, column_block = lax.axis_index("tile"), lax.axis_index("column_block")
-    group, row_start, num_rows = fields_ref[tile, GROUP], fields_ref[tile, ROW_START], fields_ref[tile, NUM_ROWS]
+    group, num_rows = fields_ref[tile, GROUP], fields_ref[tile, NUM_ROWS]
     dtype = lhs_ref.dtype
 
     @pl.when(num_rows > 0)
@@ -79,13 +81,13 @@ def _kernel_body(fields_ref, lhs_ref, rhs_ref, out_ref, *, config: GroupedMatmul
 
             plgpu.emit_pipeline(
                 stage,
-                grid=(lhs_ref.shape[1] // bk,),
+                grid=(lhs_ref.shape[2] // bk,),
                 in_specs=[
                     plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=_transforms(dtype, bk)),
                     plgpu.BlockSpec((bk, bn), lambda k: (k, column_block), transforms=_transforms(dtype, bn)),
                 ],
                 max_concurrent_steps=config.num_stages,
-            )(lhs_ref.at[pl.ds(row_start, bm)], rhs_ref.at[group])
+            )(lhs_ref.at[tile], rhs_ref.at[group])
             return acc_ref[...]
 
         acc = pl.run_scoped(multiply, plgpu.WGMMAAccumulatorRef((bm, bn), jnp.float32))
@@ -93,14 +95,7 @@ def _kernel_body(fields_ref, lhs_ref, rhs_ref, out_ref, *, config: GroupedMatmul
         def store(out_smem):
             out_smem[...] = acc.astype(dtype)
             plgpu.commit_smem()
-            # TMA stores have static row counts: the tile's rows go out as a sum of powers of two.
-            offset = jnp.int32(0)
-            for size in (bm >> i for i in range(bm.bit_length())):
-                rows_out = out_ref.at[pl.ds(row_start + offset, size), pl.ds(column_block * bn, bn)]
-                pl.when(num_rows & size != 0)(
-                    functools.partial(plgpu.copy_smem_to_gmem, out_smem.at[pl.ds(offset, size)], rows_out)
-                )
-                offset = offset + (num_rows & size)
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[tile, :, pl.ds(column_block * bn, bn)])
             plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(store, plgpu.SMEM((bm, bn), dtype))
@@ -115,7 +110,12 @@ def grouped_matmul_mgpu(
     interpret=None,
 ) -> Float[Array, "num_rows out_features"]:
     """``lhs[rows of g] @ rhs[g]`` for every group ``g`` (float32 accumulation, ``lhs``'s dtype), as
-    ``grouped_matmul``; ``sum(group_sizes)`` must be ``num_rows``."""
+    ``grouped_matmul``; ``sum(group_sizes)`` must be ``num_rows``.
+
+    Each tile's rows are gathered into a block of their own (``[num_tiles, block_m, in]``, zeros past a
+    tile's rows) so that every TMA copy starts on a whole 8-row tile of the tiled layout, and the outputs
+    come back from the same blocks.
+    """
     num_rows, in_features = lhs.shape
     num_groups, _, out_features = rhs.shape
     if in_features % config.block_k or out_features % config.block_n:
@@ -123,16 +123,24 @@ def grouped_matmul_mgpu(
             f"in_features {in_features} and out_features {out_features} must be multiples of "
             f"block_k {config.block_k} and block_n {config.block_n}"
         )
-    fields = tile_schedule(group_sizes, num_rows, config.block_m)
-    # A last tile's block reads past the last row; TMA's tiled rows come in eights.
-    padded_rows = -(-(num_rows + config.block_m) // 8) * 8
-    padded = jnp.pad(lhs, ((0, padded_rows - num_rows), (0, 0)))
-    out = plgpu.kernel(
+    bm = config.block_m
+    fields = tile_schedule(group_sizes, num_rows, bm)
+    num_tiles = fields.shape[0]
+    rows = fields[:, ROW_START, None] + jnp.arange(bm, dtype=jnp.int32)  # [num_tiles, block_m]
+    held = jnp.arange(bm) < fields[:, NUM_ROWS, None]
+    blocks = jnp.where(held[..., None], lhs[jnp.clip(rows, 0, num_rows - 1)], jnp.zeros((), lhs.dtype))
+    out_blocks = plgpu.kernel(
         functools.partial(_kernel_body, config=config),
-        out_type=jax.ShapeDtypeStruct((-(-num_rows // 8) * 8, out_features), lhs.dtype),
-        grid=(fields.shape[0], out_features // config.block_n),
+        out_type=jax.ShapeDtypeStruct((num_tiles, bm, out_features), lhs.dtype),
+        grid=(num_tiles, out_features // config.block_n),
         grid_names=("tile", "column_block"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
-    )(fields, padded, rhs.astype(lhs.dtype))
-    return out[:num_rows]
+    )(fields, blocks, rhs.astype(lhs.dtype))
+    # Each row's place among the blocks (every row is in exactly one tile).
+    place = (
+        jnp.zeros(num_rows, jnp.int32)
+        .at[jnp.where(held, rows, num_rows)]
+        .set(jnp.arange(num_tiles * bm, dtype=jnp.int32).reshape(num_tiles, bm), mode="drop")
+    )
+    return out_blocks.reshape(num_tiles * bm, out_features)[place]
