@@ -75,11 +75,11 @@ class LoRAWeights:
         """Empty slots for the merged projections whose modules ``shapes`` has (``(in_features,
         out_features)`` by module, as ``TransformerConfig.projection_shapes`` gives): every token's
         product is zero until an adapter is set."""
+        groups = _groups(shapes)
         b = {}
-        for group, modules in _groups(shapes).items():
+        for group, modules in groups.items():
             shape = (max_loras, len(modules), max_lora_rank, sum(shapes[m][1] for m in modules))
             b[group] = [jnp.zeros(shape, dtype) for _ in range(num_layers)]
-        groups = _groups(shapes)
         widths = tuple((m, shapes[m][1]) for modules in groups.values() for m in modules)
         in_features = tuple((g, shapes[modules[0]][0]) for g, modules in groups.items())
         return cls(b=b, widths=widths, in_features=in_features)
