@@ -106,6 +106,28 @@ SHAPES: dict[str, TransformerConfig] = {
         embed_scale=3840**0.5,
         query_pre_attn_scalar=256.0,
     ),
+    # Gemma 3's layout at toy size (5 local layers of a 32-token window to 1 global): the CPU's check.
+    "tiny-gemma3": TransformerConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope=Rope(1000000.0),
+        local_rope=Rope(10000.0),
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        sliding_window=32,
+        layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6)),
+        hidden_act="gelu_pytorch_tanh",
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        embed_scale=64**0.5,
+        query_pre_attn_scalar=16.0,
+    ),
 }
 
 

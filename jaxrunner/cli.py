@@ -121,6 +121,10 @@ _ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "max_loras": dict(type=int, help="LoRA adapters one step may mix (their device slots)"),
     "max_lora_rank": dict(type=int, help="the largest rank a LoRA adapter may have"),
     "max_cpu_loras": dict(type=int, help="LoRA adapters kept read in host memory; unset: --max-loras"),
+    "disable_hybrid_kv_cache_manager": dict(
+        action="store_true",
+        help="full-length KV caches for sliding-window layers too (one KV-cache group), not only their window",
+    ),
 }
 
 

@@ -109,6 +109,10 @@ class SchedulerConfig:
     powers of two (:meth:`decode_step_counts`); each is a program per bucket that
     unrolls that many steps, so precompiling takes about 2 + 4 + ... + K forward
     steps' compile time more per bucket. At most ``CacheConfig.block_size``.
+
+    ``disable_hybrid_kv_cache_manager`` (vLLM's name) keeps one KV-cache group of
+    full-length caches for a model that mixes sliding-window and full attention,
+    instead of a group per kind whose sliding groups hold only their window.
     """
 
     max_num_seqs: int = 128
@@ -116,6 +120,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False
     num_scheduler_steps: int = 1
+    disable_hybrid_kv_cache_manager: bool = False
     # Vision-language models (vLLM's names): encoder outputs a step may compute, and the encoder cache's
     # size, both in embeddings (placeholder tokens). None: the larger of max_num_batched_tokens and
     # max_model_len, so that any image that fits a prompt can be encoded.

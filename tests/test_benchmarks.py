@@ -152,6 +152,20 @@ COMMANDS = {
         "--out",
         "{out}",
     ],
+    "kv_capacity": [
+        "--shape",
+        "tiny-gemma3",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "32",
+        "--cpu-kv-cache-bytes",
+        "491520",
+        "--out",
+        "{out}",
+    ],
     "lora_layouts": ["--rows", "1", "4", "--layers", "2", "--scale", "64", "--repeats", "2", "--out", "{out}"],
     "moe_matmul": [
         "--tokens",
@@ -324,6 +338,18 @@ def test_kv_offload_loads_the_evicted_documents_with_the_same_tokens(runs):
     assert result["same_tokens"] and offloading["loaded_tokens"] > 0
     assert offloading["computed_tokens"] == none["computed_tokens"] - offloading["loaded_tokens"]
     assert result["ttft_offloading_over_recompute"] > 0 and result["noop_over_none_wall"] > 0
+
+
+def test_kv_capacity_counts_more_context_with_sliding_window_groups(runs):
+    result = result_of(runs, "kv_capacity")
+    assert_stamped(result)
+    hybrid, full = result["ways"]
+    assert (hybrid["kv_cache_groups"], full["kv_cache_groups"]) == (6, 1)
+    assert hybrid["kv_cache_gib"] == pytest.approx(full["kv_cache_gib"])  # the same budget: 240 x 1 or 40 x 6 layers
+    # A 256-token request holds 16 one-layer blocks of the full group and 5 (a 32-token window and a
+    # 32-token chunk) of each of 5 sliding ones: 41, against 16 six-layer blocks in one group.
+    assert hybrid["max_concurrency"] == pytest.approx(239 / 41) and full["max_concurrency"] == pytest.approx(39 / 16)
+    assert result["context_tokens_ratio"] > 2
 
 
 def test_lora_layouts_times_every_way_against_the_plain_step(runs):

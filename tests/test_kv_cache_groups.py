@@ -103,7 +103,7 @@ def _peak_held(llm: LLM) -> list[int]:
     return peak
 
 
-def test_gemma3_sliding_groups_hold_fewer_kv_bytes_with_the_same_tokens(tmp_path, cache_dir, monkeypatch):
+def test_gemma3_sliding_groups_hold_fewer_kv_bytes_with_the_same_tokens(tmp_path, cache_dir):
     tokenizer = build_byte_tokenizer()
     save_tiny_hf_model("gemma3", tmp_path, seed=9, vocab_size=len(tokenizer))
     tokenizer.save_pretrained(tmp_path)
@@ -111,7 +111,7 @@ def test_gemma3_sliding_groups_hold_fewer_kv_bytes_with_the_same_tokens(tmp_path
     prompts = [rng.integers(3, 250, n).tolist() for n in (100, 90, 75)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
-    def serve(num_blocks: int) -> tuple[list[list[int]], int, LLM]:
+    def serve(num_blocks: int, **hybrid) -> tuple[list[list[int]], int, LLM]:
         llm = LLM(
             str(tmp_path),
             dtype="float32",
@@ -122,6 +122,7 @@ def test_gemma3_sliding_groups_hold_fewer_kv_bytes_with_the_same_tokens(tmp_path
             compilation_cache_dir=cache_dir,
             token_buckets=[8, 64],
             request_buckets=[4],
+            **hybrid,
         )
         peak = _peak_held(llm)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -133,8 +134,8 @@ def test_gemma3_sliding_groups_hold_fewer_kv_bytes_with_the_same_tokens(tmp_path
     assert runner.kv_cache_groups.num_groups == 3 and runner.kv_cache_spec.num_layers == 1
     grouped_bytes = grouped_peak * runner.kv_cache_spec.bytes_per_block
 
-    monkeypatch.setattr(KVCacheGroups, "for_layers", lambda windows, max_model_len: KVCacheGroups.one_group(3))
-    full_tokens, full_peak, full = serve(32)  # the same bytes: blocks of three layers
+    full_tokens, full_peak, full = serve(32, disable_hybrid_kv_cache_manager=True)  # the same bytes: 3-layer blocks
+    assert full.llm_engine.runner.kv_cache_groups.num_groups == 1
     full_bytes = full_peak * full.llm_engine.runner.kv_cache_spec.bytes_per_block
 
     assert grouped_tokens == full_tokens

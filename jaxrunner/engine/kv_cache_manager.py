@@ -152,6 +152,11 @@ class KVCacheManager:
             for w in self.windows
         )
 
+    def max_concurrency(self, num_tokens: int, max_chunk_tokens: int) -> float:
+        """Requests of ``num_tokens`` tokens the pool holds at once (vLLM's "maximum concurrency"): every
+        usable block over what one such request holds at most (``blocks_to_hold``)."""
+        return self.num_usable_blocks / self.blocks_to_hold(num_tokens, max_chunk_tokens)
+
     def get_block_ids(self, req_id: str) -> BlockIds:
         """A copy of the request's block ids in order, per group; empty lists for an unknown request."""
         req = self._requests.get(req_id)

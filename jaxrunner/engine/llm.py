@@ -86,7 +86,8 @@ class LLM:
     way to the host), ``num_scheduler_steps`` (vLLM's multi-step scheduling: up
     to that many decode steps per round, in one device program, while every running
     request can end only at its length limit; 1, the default, turns it off),
-    ``token_buckets``,
+    ``disable_hybrid_kv_cache_manager`` (full-length caches for sliding-window
+    layers too, as vLLM's), ``token_buckets``,
     ``request_buckets``, ``compilation_cache_dir``, ``compiler_options`` (XLA's
     options for the step programs; ``{}`` for XLA's defaults, see
     ``CompilationConfig``), ``max_logprobs``,
@@ -166,6 +167,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = True,
         num_scheduler_steps: int = 1,
+        disable_hybrid_kv_cache_manager: bool = False,
         token_buckets: list[int] | None = None,
         request_buckets: list[int] | None = None,
         compilation_cache_dir: str | None = None,
@@ -198,6 +200,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             async_scheduling=async_scheduling,
             num_scheduler_steps=num_scheduler_steps,
+            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
         )
         max_num_seqs, max_num_batched_tokens = scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens
         if on_cpu:
@@ -276,6 +279,12 @@ class LLM:
             cache.block_size,
             enable_caching=cache.enable_prefix_caching,
             windows=runner.kv_cache_groups.windows,
+        )
+        logger.info(
+            "Maximum concurrency for %d tokens per request: %.2fx (%d KV-cache groups)",
+            runner.max_model_len,
+            manager.max_concurrency(runner.max_model_len, config.scheduler_config.max_num_batched_tokens),
+            manager.num_groups,
         )
         lookahead = config.num_speculative_tokens if config.uses_draft_model else 0
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None

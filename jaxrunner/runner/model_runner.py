@@ -209,7 +209,11 @@ class ModelRunner:
             )
             arch = self.model_arch
             windows = [arch.layer_sliding_window(i) for i in range(arch.num_layers)]
-            self.kv_cache_groups = KVCacheGroups.for_layers(windows, self.max_model_len)
+            self.kv_cache_groups = (
+                KVCacheGroups.one_group(arch.num_layers)
+                if self.config.scheduler_config.disable_hybrid_kv_cache_manager
+                else KVCacheGroups.for_layers(windows, self.max_model_len)
+            )
             check_kv_cache_groups_support(self.config, self.kv_cache_groups)
             self.kv_cache_spec = KVCacheSpec(
                 num_layers=self.kv_cache_groups.num_tensors,
@@ -462,7 +466,7 @@ class ModelRunner:
                     self.cache_config,
                     self.mesh.local_devices[0],
                     activation_bytes=self.profile_run().bytes,
-                    max_useful_blocks=self.max_num_reqs * self.max_blocks_per_req + 1,
+                    max_useful_blocks=self.max_num_reqs * self.max_blocks_per_req * self.kv_cache_groups.num_groups + 1,
                 )
                 num_blocks = min_over_processes(budget.num_blocks)  # every host holds the same blocks
                 self.memory_budget = dataclasses.replace(budget, num_blocks=num_blocks)
