@@ -128,10 +128,11 @@ def test_write_quantizes_within_fp8_precision_and_saturates(fmt, impl):
 
 
 def _teacher_forced_logits(
-    model: CausalLM, prompts: list[list[int]], continuations: np.ndarray, kv_dtype, calculate_kv_scales: bool
-) -> tuple[np.ndarray, list[float]]:
+    model: CausalLM, prompts: list[list[int]], continuations: np.ndarray | int, kv_dtype, calculate_kv_scales: bool
+) -> tuple[np.ndarray, list[float], np.ndarray]:
     """Logits after each prompt's prefill and after each of ``continuations`` ([steps, requests]) decoded one at
-    a time, as the runner runs the model (merged in jit, the scales carried between steps); and the scales.
+    a time, as the runner runs the model (merged in jit, the scales carried between steps); the scales; and
+    the tokens fed. ``continuations`` as a number of steps feeds each step's greedy tokens instead.
 
     With ``calculate_kv_scales`` the scales start pending and the prefill sets them.
     """
@@ -157,11 +158,15 @@ def _teacher_forced_logits(
     ids = jnp.asarray(np.concatenate(prompts), jnp.int32)
     logits, caches, scales = step(params, scales, ids, jnp.asarray(positions), caches, metadata)
     rows = [np.asarray(logits)[np.cumsum(lens) - 1]]
-    for i, tokens in enumerate(continuations):
+    greedy = isinstance(continuations, int)
+    fed = np.zeros((continuations, len(prompts)), np.int32) if greedy else continuations
+    for i in range(len(fed)):
+        if greedy:
+            fed[i] = rows[-1].argmax(-1)
         metadata, positions = packed([n + i + 1 for n in lens], [1] * len(lens))
-        logits, caches, scales = step(params, scales, jnp.asarray(tokens), jnp.asarray(positions), caches, metadata)
+        logits, caches, scales = step(params, scales, jnp.asarray(fed[i]), jnp.asarray(positions), caches, metadata)
         rows.append(np.asarray(logits))
-    return np.stack(rows), [float(s) for s in jax.tree.leaves(scales)]
+    return np.stack(rows), [float(s) for s in jax.tree.leaves(scales)], fed
 
 
 @pytest.mark.parametrize("model_dtype", ["float32", "bfloat16"])
@@ -171,15 +176,10 @@ def test_tiny_model_logits_and_greedy_tokens_close_to_the_unquantized_cache(mode
     model = init_random_model(BUILTIN_MODELS["tiny-llama"], dtype=model_dtype, seed=0)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, n).tolist() for n in (5, 40, 17, 60)]
-    steps = 32
-    continuation = np.zeros((steps, len(prompts)), np.int32)
-    for i in range(steps):  # the unquantized cache's greedy tokens
-        logits, _ = _teacher_forced_logits(model, prompts, continuation[:i], model_dtype, False)
-        continuation[i] = logits[-1].argmax(-1)
-    want, _ = _teacher_forced_logits(model, prompts, continuation, model_dtype, False)
+    want, _, continuation = _teacher_forced_logits(model, prompts, 32, model_dtype, False)  # its greedy tokens
     bounds = {"e4m3": (0.1, 0.8), "e5m2": (0.2, 0.7)}  # (logits' relative error, greedy agreement)
     for fmt, (max_error, min_agreement) in bounds.items():
-        got, scales = _teacher_forced_logits(model, prompts, continuation, FP8[fmt], True)
+        got, scales, _ = _teacher_forced_logits(model, prompts, continuation, FP8[fmt], True)
         error = float(np.linalg.norm(got - want) / np.linalg.norm(want))
         agreement = float(np.mean(got.argmax(-1) == want.argmax(-1)))
         print(
@@ -216,15 +216,15 @@ def test_scales_load_from_checkpoint_names_and_attention_uses_them(tmp_path):
     np.testing.assert_array_equal(np.array(loaded_scales), np.array(want, np.float32))
 
     prompts = [list(range(7, 40)), list(range(100, 111))]
-    loaded, _ = _teacher_forced_logits(model, prompts, np.full((3, 2), 9), jnp.float8_e4m3fn, False)
+    loaded, _, _ = _teacher_forced_logits(model, prompts, np.full((3, 2), 9), jnp.float8_e4m3fn, False)
     for attn in attns:  # the same scales by hand give the same logits; unit scales do not
         attn.k_scale.set_value(jnp.float32(1.0))
         attn.v_scale.set_value(jnp.float32(1.0))
-    unit, _ = _teacher_forced_logits(model, prompts, np.full((3, 2), 9), jnp.float8_e4m3fn, False)
+    unit, _, _ = _teacher_forced_logits(model, prompts, np.full((3, 2), 9), jnp.float8_e4m3fn, False)
     for attn, (k_scale, v_scale) in zip(attns, want):
         attn.k_scale.set_value(jnp.float32(k_scale))
         attn.v_scale.set_value(jnp.float32(v_scale))
-    by_hand, _ = _teacher_forced_logits(model, prompts, np.full((3, 2), 9), jnp.float8_e4m3fn, False)
+    by_hand, _, _ = _teacher_forced_logits(model, prompts, np.full((3, 2), 9), jnp.float8_e4m3fn, False)
     np.testing.assert_array_equal(loaded, by_hand)
     assert np.abs(loaded - unit).max() > 1e-3
 
