@@ -79,7 +79,8 @@ def main() -> None:
     parser.add_argument("--out", default="kv_capacity.json")
     args = parser.parse_args()
 
-    weights = init_random_model(SHAPES[args.shape], dtype="bfloat16", seed=0, mesh=make_mesh(RunnerConfig().parallel_config))
+    mesh = make_mesh(RunnerConfig().parallel_config)
+    weights = init_random_model(SHAPES[args.shape], dtype="bfloat16", seed=0, mesh=mesh)
     ways = [capacity(weights, args, hybrid) for hybrid in (True, False)]
     hybrid, full = ways
     write_json(
