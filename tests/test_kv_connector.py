@@ -78,6 +78,8 @@ def test_a_full_host_pool_drops_its_oldest_blocks(without_connector):
     assert run_turns(llm) == expected
     pool = llm.llm_engine.runner.kv_connector.store  # pyright: ignore[reportAttributeAccessIssue]
     assert len(pool) == 4 and pool.num_evicted > 0
+    # The CPU backend offers pinned host memory, as a GPU's does: the pool holds its blocks there, not in numpy.
+    assert all(array.sharding.memory_kind == "pinned_host" for block in pool._blocks.values() for array in block)
     stats = llm.llm_engine.runner.kv_connector.stats
     assert llm.llm_engine.scheduler.num_scheduled_tokens_total == computed_without - stats.loaded_tokens
     assert_balanced(llm)

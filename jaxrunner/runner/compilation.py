@@ -632,14 +632,12 @@ class CompilationManager:
         caches = inputs.kv_cache.abstract(self._kv_blocks(), inputs.cache_sharding)
         ids = self._input((num_moved,), jnp.int32)
         if gather:
-            gather_jit = jax.jit(gather_blocks, out_shardings=(inputs.replicated, inputs.replicated))
+            gather_jit = jax.jit(gather_blocks, out_shardings=inputs.replicated)
             return gather_jit.lower(caches, ids)
         spec = inputs.kv_cache
-        blocks = self._input(
-            (spec.num_layers, num_moved, spec.block_size, spec.num_kv_heads, spec.head_dim), spec.dtype
-        )
+        blocks = (self._input((spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim), spec.dtype),)
         scatter_jit = jax.jit(scatter_blocks, donate_argnums=(0,), out_shardings=inputs.cache_sharding)
-        return scatter_jit.lower(caches, ids, blocks, blocks)
+        return scatter_jit.lower(caches, ids, blocks * num_moved, blocks * num_moved)
 
     def _lower_set_lora_slot(self) -> jax.stages.Lowered:
         """``set_slot`` over the LoRA kernels (donated: rewritten in place) and the slots' B, a traced slot and

@@ -41,9 +41,13 @@ class ConnectorRequest(Protocol):
 class BlockMover(Protocol):
     """The runner's two block programs, bucketed (``jaxrunner.runner.kv_connector.mover``)."""
 
-    def gather(self, kv_caches: KVCaches, block_ids: list[int]) -> list[tuple[jax.Array, jax.Array, int]]:
-        """Device copies of the blocks' K and V, ``[num_layers, bucket, ...]`` per chunk, with the count used;
-        their copies to the host already started."""
+    def gather(self, kv_caches: KVCaches, block_ids: list[int]) -> list[tuple[jax.Array, jax.Array]]:
+        """Each block's K and V, ``[num_layers, block_size, num_kv_heads, head_dim]``, their copies to the host
+        already started."""
+        ...
+
+    def landed(self, block: tuple[jax.Array, jax.Array]) -> BlockData:
+        """A gathered block as a store keeps it, once its copy to the host is done."""
         ...
 
     def scatter(self, kv_caches: KVCaches, block_ids: list[int], blocks: list[BlockData]) -> KVCaches: ...

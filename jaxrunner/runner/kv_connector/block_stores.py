@@ -16,15 +16,16 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Shaped
 
 BlockData = tuple[
-    Shaped[np.ndarray, "num_layers block_size num_kv_heads head_dim"],
-    Shaped[np.ndarray, "num_layers block_size num_kv_heads head_dim"],
+    Shaped[np.ndarray | jax.Array, "num_layers block_size num_kv_heads head_dim"],
+    Shaped[np.ndarray | jax.Array, "num_layers block_size num_kv_heads head_dim"],
 ]
-"""One block's K and V over all layers."""
+"""One block's K and V over all layers: numpy arrays, or JAX arrays in the device's pinned host memory."""
 
 
 def root_key(extra_key: str | None) -> str:

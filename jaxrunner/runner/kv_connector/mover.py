@@ -1,9 +1,14 @@
-"""The runner's side of a connector's copies: its gather and scatter programs, by bucket of blocks."""
+"""The runner's side of a connector's copies: its gather and scatter programs, by bucket of blocks, and where
+saved blocks live on the host.
+
+A saved block is a K and a V array in the device's pinned host memory where it
+has one (``pinned_host``: the copies to and from it are DMA transfers, with no
+staging on the host), else numpy arrays. Loading copies each block to the
+device on its own, whichever store it came from, and one program stacks and
+scatters them.
+"""
 
 from __future__ import annotations
-
-import concurrent.futures
-import os
 
 import jax
 import numpy as np
@@ -12,20 +17,27 @@ from jaxrunner.runner.compilation import CompilationManager
 from jaxrunner.runner.kv_cache import KVCaches
 from jaxrunner.runner.kv_connector.block_stores import BlockData
 
-_COPY_THREADS = concurrent.futures.ThreadPoolExecutor(
-    max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="kv-block-copy"
-)
-"""Threads that lay loaded blocks out for a scatter: numpy's copies release the GIL, and one thread copies a
-gigabyte of blocks at a few GB/s, slower than the host-to-device copy that follows."""
+PINNED_HOST = "pinned_host"
+
+
+def host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
+    """``sharding`` in its devices' pinned host memory, or None where they have none."""
+    device = next(iter(sharding.device_set))
+    if PINNED_HOST not in {memory.kind for memory in device.addressable_memories()}:
+        return None
+    return sharding.with_memory_kind(PINNED_HOST)
 
 
 class CompiledBlockMover:
     """Moves blocks with ``compilation``'s ``kv_gather`` / ``kv_scatter`` programs, in chunks of the largest
-    bucket; ``num_blocks`` is the cache's size (a scatter's padding ids point past it)."""
+    bucket; ``num_blocks`` is the cache's size (a scatter's padding ids point past it); ``block_sharding``
+    is how a block lies on the devices (replicated)."""
 
-    def __init__(self, compilation: CompilationManager, num_blocks: int):
+    def __init__(self, compilation: CompilationManager, num_blocks: int, block_sharding: jax.sharding.Sharding):
         self.compilation = compilation
         self.num_blocks = num_blocks
+        self.block_sharding = block_sharding
+        self.host_sharding = host_memory(block_sharding)
 
     def _chunks(self, block_ids: list[int]):
         top = self.compilation.kv_block_buckets[-1]
@@ -33,28 +45,37 @@ class CompiledBlockMover:
             ids = block_ids[start : start + top]
             yield start, ids, self.compilation.kv_block_bucket(len(ids))
 
-    def gather(self, kv_caches: KVCaches, block_ids: list[int]) -> list[tuple[jax.Array, jax.Array, int]]:
-        chunks = []
+    def gather(self, kv_caches: KVCaches, block_ids: list[int]) -> list[tuple[jax.Array, jax.Array]]:
+        """Each block's K and V on their way to the host (``landed`` gives them once there)."""
+        blocks = []
         for _, ids, bucket in self._chunks(block_ids):
             padded = np.zeros(bucket, np.int32)  # padding reads the null block
             padded[: len(ids)] = ids
             k, v = self.compilation.kv_gather.get(bucket)(kv_caches, padded)
-            k.copy_to_host_async()
-            v.copy_to_host_async()
-            chunks.append((k, v, len(ids)))
-        return chunks
+            k, v = k[: len(ids)], v[: len(ids)]
+            if self.host_sharding is not None:
+                k, v = jax.device_put((k, v), self.host_sharding)  # asynchronous copies into pinned host memory
+            else:
+                for array in (*k, *v):
+                    array.copy_to_host_async()
+            blocks += zip(k, v)
+        return blocks
+
+    def landed(self, block: tuple[jax.Array, jax.Array]) -> BlockData:
+        """A gathered block as a store keeps it: in pinned host memory as it is, else as numpy arrays (waiting
+        for its copy if it has not arrived)."""
+        if self.host_sharding is not None:
+            return block
+        return np.asarray(block[0]), np.asarray(block[1])
 
     def scatter(self, kv_caches: KVCaches, block_ids: list[int], blocks: list[BlockData]) -> KVCaches:
+        """``blocks`` (from host memory or numpy) written to ``block_ids``, each block copied to the device on its
+        own."""
         for start, ids, bucket in self._chunks(block_ids):
             padded = np.full(bucket, self.num_blocks, np.int32)  # padding lands past the cache: dropped
             padded[: len(ids)] = ids
-            k_shape = (blocks[0][0].shape[0], bucket, *blocks[0][0].shape[1:])
-            # Uninitialised past the blocks: the padding ids drop those rows.
-            k, v = np.empty(k_shape, blocks[0][0].dtype), np.empty(k_shape, blocks[0][1].dtype)
-
-            def place(i, block, k=k, v=v):
-                k[:, i], v[:, i] = block
-
-            list(_COPY_THREADS.map(place, range(len(ids)), blocks[start : start + len(ids)]))
+            chunk = blocks[start : start + len(ids)]
+            k, v = jax.device_put(([b[0] for b in chunk], [b[1] for b in chunk]), self.block_sharding)
+            k, v = tuple(k) + (k[0],) * (bucket - len(ids)), tuple(v) + (v[0],) * (bucket - len(ids))
             kv_caches = self.compilation.kv_scatter.get(bucket)(kv_caches, padded, k, v)
         return kv_caches
