@@ -65,6 +65,21 @@ def test_offloading_loads_an_evicted_prefix_instead_of_computing_it(without_conn
     assert_balanced(llm)
 
 
+def test_under_tensor_parallelism_each_device_offloads_its_own_kv_heads(without_connector):
+    expected, computed_without = without_connector
+    llm = make_llm(kv_transfer_config=offloading(), tensor_parallel_size=2)
+    assert run_turns(llm) == expected
+    stats = llm.llm_engine.runner.kv_connector.stats
+    assert stats.loaded_blocks > 0
+    assert llm.llm_engine.scheduler.num_scheduled_tokens_total == computed_without - stats.loaded_tokens
+    pool = llm.llm_engine.runner.kv_connector.store  # pyright: ignore[reportAttributeAccessIssue]
+    k, _ = next(iter(pool._blocks.values()))
+    heads = llm.llm_engine.runner.kv_cache_spec.num_kv_heads
+    assert k.sharding.memory_kind == "pinned_host" and len(k.addressable_shards) == 2
+    assert all(shard.data.shape[2] == heads // 2 for shard in k.addressable_shards)  # one copy, split on heads
+    assert_balanced(llm)
+
+
 def test_noop_connector_changes_nothing(without_connector):
     expected, computed_without = without_connector
     llm = make_llm(kv_transfer_config={"kv_connector": "NoOpConnector"})

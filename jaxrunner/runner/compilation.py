@@ -631,11 +631,12 @@ class CompilationManager:
         inputs = self.inputs
         caches = inputs.kv_cache.abstract(self._kv_blocks(), inputs.cache_sharding)
         ids = self._input((num_moved,), jnp.int32)
-        if gather:
-            gather_jit = jax.jit(gather_blocks, out_shardings=inputs.replicated)
+        if gather:  # each block split on KV heads like the cache: each device moves its own shard
+            gather_jit = jax.jit(gather_blocks, out_shardings=inputs.cache_sharding)
             return gather_jit.lower(caches, ids)
         spec = inputs.kv_cache
-        blocks = (self._input((spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim), spec.dtype),)
+        block_shape = (spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        blocks = (jax.ShapeDtypeStruct(block_shape, spec.dtype, sharding=inputs.cache_sharding),)
         scatter_jit = jax.jit(scatter_blocks, donate_argnums=(0,), out_shardings=inputs.cache_sharding)
         return scatter_jit.lower(caches, ids, blocks * num_moved, blocks * num_moved)
 

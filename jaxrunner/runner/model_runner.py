@@ -474,7 +474,7 @@ class ModelRunner:
                 utilization = self.cache_config.gpu_memory_utilization
                 self.memory_budget = MemoryBudget(num_blocks, self.block_size, bytes_per_block, utilization)
             self.num_blocks = self.compilation.num_blocks = num_blocks
-            self.block_mover = CompiledBlockMover(self.compilation, num_blocks, self.replicated)
+            self.block_mover = CompiledBlockMover(self.compilation, num_blocks, self.kv_cache_sharding)
             self.kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks, self.kv_cache_sharding)
             if self.drafter is not None:
                 self.draft_kv_caches = allocate_kv_caches(self.drafter.kv_spec, num_blocks, self.kv_cache_sharding)

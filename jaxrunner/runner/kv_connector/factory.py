@@ -14,7 +14,6 @@ def make_kv_connector(config: RunnerConfig, multimodal: bool) -> KVConnectorBase
     if transfer is None or transfer.kv_connector == "NoOpConnector":
         return KVConnectorBase()
     unsupported = [
-        ("tensor parallelism", config.parallel_config.tensor_parallel_size > 1),
         ("speculative decoding", config.speculative_config is not None),
         ("a vision-language model", multimodal),
     ]

@@ -31,7 +31,8 @@ def host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None
 class CompiledBlockMover:
     """Moves blocks with ``compilation``'s ``kv_gather`` / ``kv_scatter`` programs, in chunks of the largest
     bucket; ``num_blocks`` is the cache's size (a scatter's padding ids point past it); ``block_sharding``
-    is how a block lies on the devices (replicated)."""
+    is how a block lies on the devices: split on KV heads like the cache, so that under tensor parallelism
+    each device copies its own shard to and from the host."""
 
     def __init__(self, compilation: CompilationManager, num_blocks: int, block_sharding: jax.sharding.Sharding):
         self.compilation = compilation
