@@ -51,6 +51,27 @@ from jaxrunner.sharding import make_mesh
 
 REPO = Path(__file__).resolve().parent.parent
 
+
+def _gemma3(*, hidden_size: int, head_dim: int, num_layers: int, **sizes) -> TransformerConfig:
+    """A Gemma 3 (text) shape: 5 sliding-window layers to 1 global, local RoPE base 10k, GeLU-tanh, sandwich
+    norms, embeddings scaled by sqrt(hidden_size) and queries by 1/sqrt(head_dim)."""
+    return TransformerConfig(
+        hidden_size=hidden_size,
+        head_dim=head_dim,
+        num_layers=num_layers,
+        local_rope=Rope(10000.0),
+        tie_word_embeddings=True,
+        qk_norm=True,
+        layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)),
+        hidden_act="gelu_pytorch_tanh",
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        embed_scale=hidden_size**0.5,
+        query_pre_attn_scalar=float(head_dim),
+        **sizes,
+    )
+
+
 SHAPES: dict[str, TransformerConfig] = {
     "llama3-8b": BUILTIN_MODELS["random-llama3-8b"],
     "llama3-70b": BUILTIN_MODELS["random-llama3-70b"],
@@ -85,7 +106,7 @@ SHAPES: dict[str, TransformerConfig] = {
         ),
     ),
     # Gemma-3-12B (text): 48 layers, 5 local (1024-token window, RoPE base 10k) to 1 global (1M, linear 8x).
-    "gemma3-12b": TransformerConfig(
+    "gemma3-12b": _gemma3(
         vocab_size=262208,
         hidden_size=3840,
         intermediate_size=15360,
@@ -94,20 +115,11 @@ SHAPES: dict[str, TransformerConfig] = {
         num_kv_heads=8,
         head_dim=256,
         rope=Rope(1000000.0, LinearRopeScaling(8.0)),
-        local_rope=Rope(10000.0),
         max_position_embeddings=131072,
-        tie_word_embeddings=True,
-        qk_norm=True,
         sliding_window=1024,
-        layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)),
-        hidden_act="gelu_pytorch_tanh",
-        norm_weight_offset=1.0,
-        sandwich_norms=True,
-        embed_scale=3840**0.5,
-        query_pre_attn_scalar=256.0,
     ),
-    # Gemma 3's layout at toy size (5 local layers of a 32-token window to 1 global): the CPU's check.
-    "tiny-gemma3": TransformerConfig(
+    # The same layout at toy size (5 local layers of a 32-token window to 1 global): the CPU's check.
+    "tiny-gemma3": _gemma3(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=128,
@@ -116,17 +128,8 @@ SHAPES: dict[str, TransformerConfig] = {
         num_kv_heads=2,
         head_dim=16,
         rope=Rope(1000000.0),
-        local_rope=Rope(10000.0),
         max_position_embeddings=512,
-        tie_word_embeddings=True,
-        qk_norm=True,
         sliding_window=32,
-        layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6)),
-        hidden_act="gelu_pytorch_tanh",
-        norm_weight_offset=1.0,
-        sandwich_norms=True,
-        embed_scale=64**0.5,
-        query_pre_attn_scalar=16.0,
     ),
 }
 

@@ -46,10 +46,6 @@ class BlockMover(Protocol):
         already started."""
         ...
 
-    def landed(self, block: tuple[jax.Array, jax.Array]) -> BlockData:
-        """A gathered block as a store keeps it, once its copy to the host is done."""
-        ...
-
     def scatter(self, kv_caches: KVCaches, block_ids: list[int], blocks: list[BlockData]) -> KVCaches: ...
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 
@@ -28,6 +28,7 @@ from jaxrunner.runner.kv_connector.block_stores import (
     BlockStore,
     CorruptBlock,
     chain_keys,
+    landed,
     root_key,
     tail_key,
 )
@@ -63,8 +64,8 @@ class BlockStoreConnector(KVConnectorBase):
         self.tails = tails
         self._requests: dict[str, _RequestState] = {}
         self._loads: tuple[list[int], list[BlockData]] = ([], [])
-        # Per step: the keys of the blocks it saves, the blocks on their way to the host, and how they land.
-        self._in_flight: list[tuple[list[str], list[tuple[jax.Array, jax.Array]], Callable | None]] = []
+        # Per step: the keys of the blocks it saves, and the blocks on their way to the host.
+        self._in_flight: list[tuple[list[str], list[tuple[jax.Array, jax.Array]]]] = []
 
     def _keys(self, request: ConnectorRequest, count: int) -> list[str]:
         """The keys of the request's first ``count`` full blocks (each computed once)."""
@@ -167,18 +168,16 @@ class BlockStoreConnector(KVConnectorBase):
 
     def save_kv(self, metadata: KVConnectorMetadata | None, kv_caches: KVCaches, mover: BlockMover) -> None:
         # One entry a step, empty where it saves nothing, so that get_finished can tell the last step's apart.
-        entry: tuple[list[str], list[tuple[jax.Array, jax.Array]], Callable | None] = ([], [], None)
+        entry: tuple[list[str], list[tuple[jax.Array, jax.Array]]] = ([], [])
         if metadata is not None and metadata.save_block_ids:
-            entry = (metadata.save_keys, mover.gather(kv_caches, metadata.save_block_ids), mover.landed)
+            entry = (metadata.save_keys, mover.gather(kv_caches, metadata.save_block_ids))
         self._in_flight.append(entry)
 
     def get_finished(self, flush: bool = False) -> None:
         """Store the saves of the steps before the last one (their copies to the host had a whole step to
         arrive, so waiting for them does not hold the step up), or with ``flush`` every save in flight."""
         in_flight, self._in_flight = (self._in_flight, []) if flush else (self._in_flight[:-1], self._in_flight[-1:])
-        for keys, blocks, landed in in_flight:
-            if landed is None:  # a step that saved nothing
-                continue
+        for keys, blocks in in_flight:
             for key, block in zip(keys, blocks, strict=True):
                 try:
                     self.store.put(key, landed(block))

@@ -27,6 +27,16 @@ BlockData = tuple[
 ]
 """One block's K and V over all layers: numpy arrays, or JAX arrays in the device's pinned host memory."""
 
+PINNED_HOST = "pinned_host"
+
+
+def landed(block: tuple[jax.Array, jax.Array]) -> BlockData:
+    """A block gathered from the device as a store keeps it: as it is where it was copied to pinned host memory,
+    else as numpy arrays (waiting for its copy to the host if it has not arrived)."""
+    if block[0].sharding.memory_kind == PINNED_HOST:
+        return block
+    return np.asarray(block[0]), np.asarray(block[1])
+
 
 def root_key(extra_key: str | None) -> str:
     """The parent key of a sequence's first block: what besides the tokens its KV depends on (a LoRA adapter)."""

@@ -15,9 +15,7 @@ import numpy as np
 
 from jaxrunner.runner.compilation import CompilationManager
 from jaxrunner.runner.kv_cache import KVCaches
-from jaxrunner.runner.kv_connector.block_stores import BlockData
-
-PINNED_HOST = "pinned_host"
+from jaxrunner.runner.kv_connector.block_stores import PINNED_HOST, BlockData
 
 
 def host_memory(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
@@ -47,7 +45,7 @@ class CompiledBlockMover:
             yield start, ids, self.compilation.kv_block_bucket(len(ids))
 
     def gather(self, kv_caches: KVCaches, block_ids: list[int]) -> list[tuple[jax.Array, jax.Array]]:
-        """Each block's K and V on their way to the host (``landed`` gives them once there)."""
+        """Each block's K and V on their way to the host (``block_stores.landed`` gives them once there)."""
         blocks = []
         for _, ids, bucket in self._chunks(block_ids):
             padded = np.zeros(bucket, np.int32)  # padding reads the null block
@@ -61,13 +59,6 @@ class CompiledBlockMover:
                     array.copy_to_host_async()
             blocks += zip(k, v)
         return blocks
-
-    def landed(self, block: tuple[jax.Array, jax.Array]) -> BlockData:
-        """A gathered block as a store keeps it: in pinned host memory as it is, else as numpy arrays (waiting
-        for its copy if it has not arrived)."""
-        if self.host_sharding is not None:
-            return block
-        return np.asarray(block[0]), np.asarray(block[1])
 
     def scatter(self, kv_caches: KVCaches, block_ids: list[int], blocks: list[BlockData]) -> KVCaches:
         """``blocks`` (from host memory or numpy) written to ``block_ids``, each block copied to the device on its
