@@ -254,7 +254,12 @@ def test_100_concurrent_streams_each_get_their_tokens_alone(server, client):
         return tokens, reason
 
     async def all_at_once():
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as async_client:
+        # The server shares this process (and its GIL) with the engine and the 100 clients: on a loaded
+        # 2-core machine a connection can take longer than the client's default 5 s to be accepted.
+        timeout = openai.Timeout(120.0, connect=60.0)
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=timeout
+        ) as async_client:
             return await asyncio.gather(*(stream(async_client, p) for p in prompts))
 
     together = asyncio.run(all_at_once())
@@ -346,7 +351,12 @@ def test_bad_requests_get_400_naming_the_field_while_good_ones_finish(server, cl
         return error.value
 
     async def run():
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as async_client:
+        # The server shares this process (and its GIL) with the engine and the 100 clients: on a loaded
+        # 2-core machine a connection can take longer than the client's default 5 s to be accepted.
+        timeout = openai.Timeout(120.0, connect=60.0)
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=timeout
+        ) as async_client:
             goods = asyncio.gather(*(good(async_client, i) for i in range(8)))
             bads = asyncio.gather(*(bad(async_client, kwargs) for kwargs, _ in BAD_REQUESTS))
             return await asyncio.gather(goods, bads)
