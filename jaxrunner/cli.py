@@ -22,6 +22,7 @@ from jaxrunner.engine import llm as engine_llm
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.lora.request import LoRARequest
 from jaxrunner.models.builtin import BUILTIN_MODELS, check_model_name, is_builtin
+from jaxrunner.models.loader import QUANTIZATION_NAMES
 
 if TYPE_CHECKING:
     from jaxrunner.engine.llm_engine import LLMEngine
@@ -99,6 +100,11 @@ _ENGINE_FLAGS: dict[str, dict[str, Any]] = {
     "block_size": dict(type=int, help="tokens per KV cache block"),
     "gpu_memory_utilization": dict(type=float, help="the fraction of each GPU's memory the engine may use"),
     "kv_cache_dtype": dict(choices=list(CACHE_DTYPES), help="the KV cache's dtype; auto: the model's"),
+    "quantization": dict(
+        choices=list(QUANTIZATION_NAMES),
+        help="fp8: the decoder's weights in FP8, quantized as they load where the checkpoint's are not; "
+        "unset: as the checkpoint has them",
+    ),
     "num_gpu_blocks_override": dict(
         type=int, help="KV cache blocks to allocate; unset: as many as the memory budget allows"
     ),

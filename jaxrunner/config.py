@@ -14,13 +14,16 @@ class ModelConfig:
     """Which model to run and in which precision.
 
     ``model`` is a HuggingFace checkpoint directory. ``max_model_len`` defaults
-    to the checkpoint's ``max_position_embeddings``.
+    to the checkpoint's ``max_position_embeddings``. ``quantization`` is vLLM's:
+    ``"fp8"`` holds the decoder's Linears in FP8, quantizing them as they load where
+    the checkpoint's are not (``models/quantization.py``); None: as the checkpoint has them.
     """
 
     model: str | None = None
     dtype: str = "bfloat16"
     max_model_len: int | None = None
     seed: int = 0
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):

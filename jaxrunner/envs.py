@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     JAXRUNNER_ATTENTION_IMPL: str | None = None
+    JAXRUNNER_FP8_MATMUL: str | None = None
     JAXRUNNER_ALLOW_LONG_MAX_MODEL_LEN: bool = False
     JAXRUNNER_MAX_N_SEQUENCES: int = 0
     JAXRUNNER_COMPILATION_CACHE_DIR: str | None = None
     XDG_CACHE_HOME: str = ""
 
 ATTENTION_IMPL_ENV_VAR = "JAXRUNNER_ATTENTION_IMPL"
+FP8_MATMUL_ENV_VAR = "JAXRUNNER_FP8_MATMUL"
 ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR = "JAXRUNNER_ALLOW_LONG_MAX_MODEL_LEN"
 MAX_N_SEQUENCES_ENV_VAR = "JAXRUNNER_MAX_N_SEQUENCES"
 DEFAULT_MAX_N_SEQUENCES = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
@@ -39,6 +41,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Forces the attention and KV-write implementation, "reference" or "mosaic_gpu", for every
     # runner and every call of the ops that names none; unset, each picks the best for its devices.
     ATTENTION_IMPL_ENV_VAR: lambda: os.environ.get(ATTENTION_IMPL_ENV_VAR) or None,
+    # Forces the matmul of FP8 weights, "w8a8" or "weight_only" (ops/fp8_matmul.py), for every bucket of
+    # the models loaded after it is set; unset, each bucket runs the one chosen for its size.
+    FP8_MATMUL_ENV_VAR: lambda: os.environ.get(FP8_MATMUL_ENV_VAR) or None,
     # "1" lets max_model_len exceed the model's positions (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): outputs past
     # the positions the model was trained on may be wrong.
     ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR: lambda: os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR, "0") == "1",

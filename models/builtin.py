@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from transformers import PreTrainedTokenizerFast
 
 from jaxrunner.models import CausalLM, TransformerConfig, init_random_model, load_model
+from jaxrunner.models.loader import with_quantization
 from jaxrunner.models.rope import Llama3RopeScaling, Rope
 from jaxrunner.models.safetensors_io import CONFIG_FILE, read_json_object
 from jaxrunner.models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer
@@ -107,12 +108,19 @@ def load_builtin(
 
 
 def load_named_model(
-    name: str, *, dtype="float32", seed: int = 0, mesh: Mesh | None = None, max_model_len: int | None = None
+    name: str,
+    *,
+    dtype="float32",
+    seed: int = 0,
+    mesh: Mesh | None = None,
+    max_model_len: int | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """A built-in model (random weights from ``seed``) or a checkpoint directory's, on ``mesh``, for serving
-    ``max_model_len`` tokens (None: the model's positions); any other ``name`` is refused by
-    :func:`check_model_name`."""
+    ``max_model_len`` tokens (None: the model's positions), with ``quantization`` (vLLM's: ``"fp8"``) applied;
+    any other ``name`` is refused by :func:`check_model_name`."""
     check_model_name(name)
     if is_builtin(name):
-        return load_builtin(name, dtype=dtype, seed=seed, mesh=mesh)[0]
-    return load_model(name, dtype=dtype, mesh=mesh, max_model_len=max_model_len)[0]
+        config = with_quantization(BUILTIN_MODELS[name], quantization)
+        return init_random_model(config, dtype=dtype, seed=seed, mesh=mesh)
+    return load_model(name, dtype=dtype, mesh=mesh, max_model_len=max_model_len, quantization=quantization)[0]

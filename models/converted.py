@@ -3,9 +3,11 @@
 Loading a HuggingFace checkpoint reads every safetensors tensor, merges q/k/v and
 gate/up, pads the vocabulary for the mesh and places each shard. A converted
 directory keeps the result instead: the model's state (merged projections, KV
-cache scales, each array in its sharding) as an orbax checkpoint under
-``state/``, the source's ``config.json`` and tokenizer files, and
-:data:`MANIFEST_FILE` saying the dtypes and tensor-parallel size it was held in.
+cache scales, FP8 weights and their scales, each array in its sharding) as an
+orbax checkpoint under ``state/``, the source's ``config.json`` and tokenizer
+files, and :data:`MANIFEST_FILE` saying the dtypes, FP8 quantization and
+tensor-parallel size it was held in (a model quantized as it loaded is restored
+quantized: nothing is quantized again).
 ``load_model`` on such a directory builds the model's shapes from ``config.json``
 and has orbax read each device's shards onto it: nothing is re-read from
 safetensors, re-merged or re-padded. The directory is a model directory like any
@@ -26,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrunner.models.partitioning import param_sharding
+from jaxrunner.models.quantization import Fp8Config
 from jaxrunner.models.safetensors_io import INDEX_FILE, CheckpointError, read_json_object
 from jaxrunner.models.transformer import CausalLM
 from jaxrunner.sharding import padded_vocab_size, tensor_parallel_size
@@ -59,8 +62,15 @@ def save_converted(state: nnx.State, model: CausalLM, source_dir: str | PathLike
         param_dtype=jnp.dtype(model.model.embed_tokens.embedding.get_value().dtype).name,
         tensor_parallel_size=tensor_parallel_size(model.mesh),
         padded_vocab_size=model.model.embed_tokens.num_embeddings,
+        quantization=None if model.config.quantization is None else model.config.quantization.as_dict(),
     )
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def converted_quantization(model_dir: str | PathLike) -> Fp8Config | None:
+    """The FP8 quantization a converted model was saved with (None: none)."""
+    fields = read_json_object(Path(model_dir) / MANIFEST_FILE).get("quantization")
+    return None if fields is None else Fp8Config.from_dict(fields)
 
 
 def restore_converted(abstract: CausalLM, model_dir: str | PathLike, mesh: Mesh) -> CausalLM:

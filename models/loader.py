@@ -14,9 +14,16 @@ A family whose checkpoint names tensors otherwise (Phi-3's fused projections,
 Mixtral's experts) has them renamed or cut first (``registry.Architecture``).
 An attention layer's KV cache scales (``KVScale``) come from the tensors vLLM
 reads for them (:data:`KV_SCALE_NAMES`), else are 1.0.
+
+A Linear the model holds in FP8 (``models/quantization.py``) reads HF's ``weight``
+(e4m3, ``[out, in]``: no transpose), ``weight_scale`` (one value, or one per
+output: repeated over the outputs of its part) and ``input_scale`` (a merged
+projection's inputs are shared: the largest of its parts'); a checkpoint weight not
+in FP8 is quantized as it loads, per output (``LLM(quantization="fp8")``).
 """
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator
@@ -31,10 +38,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxrunner.config import ParallelConfig
-from jaxrunner.models.converted import is_converted, restore_converted
+from jaxrunner.models.converted import converted_quantization, is_converted, restore_converted
 from jaxrunner.models.eagle import EagleHead
 from jaxrunner.models.moe import EXPERT_PARTS, Experts
 from jaxrunner.models.partitioning import logical_axes, param_sharding, param_shardings
+from jaxrunner.models.quantization import on_load_fp8
 from jaxrunner.models.registry import TensorViews, architecture, tensors_as_named
 from jaxrunner.models.safetensors_io import (
     CONFIG_FILE,
@@ -43,10 +51,23 @@ from jaxrunner.models.safetensors_io import (
     iter_tensors,
     read_json_object,
 )
-from jaxrunner.models.transformer import CausalLM, KVScale, MergedProjection, TransformerConfig
+from jaxrunner.models.transformer import CausalLM, Fp8Weights, KVScale, MergedProjection, TransformerConfig
+from jaxrunner.ops.fp8_matmul import quantize_weight
+from jaxrunner.ops.kv_write import is_fp8
 from jaxrunner.sharding import make_mesh
 
 _HF_LEAF_NAMES = {"kernel": "weight", "embedding": "weight"}
+_MERGED_LEAVES = ("kernel", "bias", "weight", "weight_scale", "input_scale")
+_FP8_SCALES = (".weight_scale", ".input_scale")
+_UNQUANTIZED = (
+    "but the model holds this module unquantized: the checkpoint's quantization_config leaves it out (its "
+    "ignore list names it), or there is none"
+)
+HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
+"""ModelOpt's quantization file beside ``config.json`` (read where ``config.json`` has no ``quantization_config``)."""
+QUANTIZATION_NAMES = ("fp8", "compressed-tensors", "modelopt")
+"""``LLM(quantization=...)``'s values (vLLM's names): ``"fp8"`` quantizes a checkpoint without FP8 weights as it
+loads; the others, and ``"fp8"``, also name the format of a checkpoint that has them."""
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer some older checkpoints saved
 
 KV_SCALE_NAMES = {
@@ -69,6 +90,7 @@ def load_model(
     param_dtype=None,
     mesh: Mesh | None = None,
     max_model_len: int | None = None,
+    quantization: str | None = None,
 ) -> tuple[CausalLM, TransformerConfig]:
     """Loads ``config.json`` and the safetensors weights of a local HF model directory.
 
@@ -79,14 +101,20 @@ def load_model(
     factors (``models/rope.py``). Raises ``ValueError``
     for a layout the mesh cannot take, and ``CheckpointError`` (a ``ValueError``) naming
     the file at fault for a config.json or index that cannot be read or is not supported
-    (an architecture, a RoPE type), and for weights that do not fit. A converted directory
-    (``models/converted.py``) is restored from its orbax state instead of its safetensors.
+    (an architecture, a RoPE type, a quantization format), and for weights that do not fit.
+    ``quantization`` is vLLM's: ``"fp8"`` quantizes the decoder's Linears to FP8 as they load
+    where the checkpoint has no FP8 weights; a checkpoint's own format may be named too.
+    A converted directory (``models/converted.py``) is restored from its orbax state instead
+    of its safetensors.
     """
     model_dir = Path(model_dir)
     hf_config = read_hf_config(model_dir)
     with _naming(model_dir / CONFIG_FILE):
         arch = architecture(hf_config)
         config = TransformerConfig.from_hf(hf_config, max_model_len)
+        if is_converted(model_dir):
+            config = dataclasses.replace(config, quantization=converted_quantization(model_dir))
+        config = with_quantization(config, quantization)
     dtype = jnp.dtype(dtype)
     param_dtype = dtype if param_dtype is None else jnp.dtype(param_dtype)
     mesh = mesh or make_mesh(ParallelConfig())
@@ -94,8 +122,33 @@ def load_model(
     model = nnx.eval_shape(lambda: cls(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0), mesh=mesh))
     if is_converted(model_dir):
         return restore_converted(model, model_dir, mesh), config
-    _fill_params(model, model_dir, param_dtype, mesh, arch.tensor_views)
+    _fill_params(model, model_dir, mesh, arch.tensor_views)
     return model, config
+
+
+def with_quantization(config: TransformerConfig, quantization: str | None) -> TransformerConfig:
+    """``config`` with ``LLM(quantization=...)`` applied: ``"fp8"`` on a model without FP8 weights gives it
+    on-load FP8; a name other than the checkpoint's own format is refused (as vLLM does)."""
+    if quantization is None:
+        return config
+    if quantization not in QUANTIZATION_NAMES:
+        raise ValueError(
+            f"quantization {quantization!r} is not supported; jaxrunner runs {', '.join(QUANTIZATION_NAMES)}"
+        )
+    held = config.quantization
+    if held is None:
+        if quantization != "fp8":
+            raise ValueError(
+                f"quantization={quantization!r} names a checkpoint format, but this checkpoint has no "
+                "quantization_config: pass quantization='fp8' to quantize it as it loads"
+            )
+        return dataclasses.replace(config, quantization=on_load_fp8())
+    if quantization not in ("fp8", held.method):
+        raise ValueError(
+            f"quantization={quantization!r} does not match the checkpoint's quantization_config ({held.method!r}): "
+            f"pass quantization={held.method!r}, or none"
+        )
+    return config
 
 
 def load_config(model_dir: str | PathLike, max_model_len: int | None = None) -> TransformerConfig:
@@ -116,7 +169,7 @@ def load_eagle_head(model_dir: str | PathLike, *, dtype="float32", mesh: Mesh | 
     dtype = jnp.dtype(dtype)
     mesh = mesh or make_mesh(ParallelConfig())
     head = nnx.eval_shape(lambda: EagleHead(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0), mesh=mesh))
-    _fill_params(head, model_dir, dtype, mesh)
+    _fill_params(head, model_dir, mesh)
     return head
 
 
@@ -127,7 +180,13 @@ def read_hf_config(model_dir: Path) -> transformers.PretrainedConfig:
         raise CheckpointError(f"{model_dir}: no such checkpoint directory")
     read_json_object(model_dir / CONFIG_FILE)  # our own reading names the file; transformers' may not
     with _naming(model_dir / CONFIG_FILE):
-        return transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        hf_config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if (model_dir / HF_QUANT_CONFIG_FILE).is_file() and not getattr(hf_config, "quantization_config", None):
+        hf_config.quantization_config = {
+            "quant_method": "modelopt",
+            **read_json_object(model_dir / HF_QUANT_CONFIG_FILE),
+        }
+    return hf_config
 
 
 @contextlib.contextmanager
@@ -188,7 +247,7 @@ def hf_parts(model: nnx.Module) -> dict[tuple, list[tuple[str, int | None]]]:
                     for part, slots in expert_parts
                 ]
         elif isinstance(node, MergedProjection):
-            for leaf in ("kernel", "bias"):
+            for leaf in _MERGED_LEAVES:
                 if getattr(node, leaf) is not None:
                     parts[(*path, leaf)] = [(hf_name((*path[:-1], part, leaf)), n) for part, n in node.parts]
         elif isinstance(node, nnx.Param) and path not in parts:
@@ -212,10 +271,18 @@ def hf_tensors(model: nnx.Module) -> dict[str, np.ndarray]:
         if sources[0][1] is None:
             tensors[sources[0][0]] = np.ascontiguousarray(value.T if is_kernel else value)
             continue
-        pieces = np.split(value, nodes[path[:-1]].split_points, axis=-2)  # the MergedProjection's parts
+        if path[-1] == "input_scale":  # one scale the parts share
+            tensors.update({name: value for name, _ in sources})
+            continue
+        slot_axis = -3 if path[-1] == "weight" else -2
+        pieces = np.split(value, nodes[path[:-1]].split_points, axis=slot_axis)  # the MergedProjection's parts
         for (name, _), piece in zip(sources, pieces):
-            flat = piece.reshape(piece.shape[0], -1) if is_kernel else piece.reshape(-1)
-            tensors[name] = np.ascontiguousarray(flat.T if is_kernel else flat)
+            if is_kernel:
+                tensors[name] = np.ascontiguousarray(piece.reshape(piece.shape[0], -1).T)
+            else:  # a bias or weight scale [out], an FP8 weight [out, in]
+                tensors[name] = np.ascontiguousarray(
+                    piece.reshape(-1, *piece.shape[len(piece.shape) + slot_axis + 2 :])
+                )
     return tensors
 
 
@@ -256,23 +323,22 @@ def _fill_kv_scales(model: nnx.Module, loaded: dict[tuple, float], mesh: Mesh) -
 
 
 def _fill_params(
-    model: CausalLM | EagleHead,
-    model_dir: Path,
-    param_dtype: jnp.dtype,
-    mesh: Mesh,
-    tensor_views: TensorViews = tensors_as_named,
+    model: CausalLM | EagleHead, model_dir: Path, mesh: Mesh, tensor_views: TensorViews = tensors_as_named
 ) -> None:
     """Sets every parameter of the abstract ``model`` from the checkpoint, checking names and shapes,
     and its KV cache scales (1.0 where the checkpoint has none).
 
     Each checkpoint tensor is read through ``tensor_views`` (its family's names). Each
-    parameter lands in its sharding on ``mesh`` (the model's); a padded vocabulary's
-    extra rows are zeros.
+    parameter lands in its sharding on ``mesh`` (the model's), in the dtype the model
+    holds it in; a padded vocabulary's extra rows are zeros.
     """
     nodes = dict(nnx.iter_graph(model))
     params = {path: var for path, var in nodes.items() if isinstance(var, nnx.Param)}
     sources = hf_parts(model)
     owner = {name: path for path, parts in sources.items() for name, _ in parts}
+    fp8_weights = {
+        name for name, path in owner.items() if path[-1] == "weight" and isinstance(nodes[path[:-1]], Fp8Weights)
+    }
     scale_sources = _kv_scale_sources(model)
     scales: dict[tuple, float] = {}
     scale_set_by: dict[tuple, str] = {}
@@ -280,7 +346,7 @@ def _fill_params(
     loaded_from: dict[str, Path] = {}
     files = checkpoint_files(model_dir)
     for file in files:
-        for name, array in _viewed_tensors(file, tensor_views, model.config):
+        for name, array in _quantized_on_load(_viewed_tensors(file, tensor_views, model.config), fp8_weights):
             if name.endswith(_IGNORED_SUFFIXES) or name in getattr(model, "ignored_tensors", ()):
                 continue
             if name == "lm_head.weight" and model.lm_head is None:
@@ -298,23 +364,37 @@ def _fill_params(
                     scale_set_by[path] = name
                     scales[path] = _kv_scale_value(name, array, file)
                 continue
+            module = name.rsplit(".", 1)[0]
             if name not in owner:
+                if name.endswith(_FP8_SCALES) and f"{module}.weight" in owner:
+                    raise CheckpointError(f"{file}: tensor {name!r} is an FP8 scale, {_UNQUANTIZED}")
                 raise CheckpointError(f"{file}: unexpected tensor {name!r}; the model has no such parameter")
             loaded_from[name] = file
             path = owner[name]
+            var, sharding = params[path], param_sharding(mesh, path)
+            shape, dtype = var.get_value().shape, var.get_value().dtype
+            if is_fp8(array.dtype) and not is_fp8(dtype):
+                raise CheckpointError(f"{file}: tensor {name!r} is FP8 ({array.dtype}), {_UNQUANTIZED}")
+            if path[-1] == "weight_scale":
+                slots = dict(sources[path])[name]
+                outputs = math.prod(shape) if slots is None else math.prod(shape) // shape[-2] * slots
+                array = _fp8_scale(name, array, outputs, file)
+            elif path[-1] == "input_scale":
+                array = _fp8_scale(name, array, 1, file)
             received.setdefault(path, {})[name] = (array, file)
             if len(received[path]) < len(sources[path]):
                 continue  # a merged parameter waits for its other parts
-            var, sharding = params[path], param_sharding(mesh, path)
-            shape = var.get_value().shape
             if isinstance(nodes[path[:-1]], Experts):
                 parts = [(n, *received[path][n], slots) for n, slots in sources[path]]
-                var.set_value(_to_expert_param(parts, path, shape, param_dtype, sharding))
+                var.set_value(_to_expert_param(parts, path, shape, dtype, sharding))
+            elif path[-1] == "input_scale":  # the inputs a merged projection's parts share: one scale
+                largest = max(float(received[path][n][0].reshape(())) for n, _ in sources[path])
+                var.set_value(jax.device_put(np.float32(largest), sharding))
             elif sources[path][0][1] is None:
-                var.set_value(_to_param(array, path, shape, model.config, param_dtype, sharding, file))
+                var.set_value(_to_param(array, path, shape, model.config, dtype, sharding, file))
             else:
                 parts = [(n, *received[path][n], slots) for n, slots in sources[path] if slots is not None]
-                var.set_value(_to_merged_param(parts, path, shape, param_dtype, sharding))
+                var.set_value(_to_merged_param(parts, path, shape, dtype, sharding))
             del received[path]
     _fill_kv_scales(model, scales, mesh)
     missing = sorted(name for name in owner if name not in loaded_from)
@@ -323,6 +403,37 @@ def _fill_params(
         raise CheckpointError(
             f"{model_dir}: tensor {missing[0]!r}{more} is missing from {', '.join(f.name for f in files)}"
         )
+
+
+def _quantized_on_load(
+    tensors: Iterator[tuple[str, np.ndarray]], fp8_weights: set[str]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """``tensors``, each weight the model holds in FP8 but the checkpoint does not quantized per output as it
+    passes (its ``weight_scale`` after it)."""
+    for name, array in tensors:
+        if name not in fp8_weights or is_fp8(array.dtype):
+            yield name, array
+            continue
+        values, scale = _quantize_weight(jnp.asarray(array))
+        yield name, np.asarray(values)
+        yield name.removesuffix("weight") + "weight_scale", np.asarray(scale)
+
+
+_quantize_weight = jax.jit(quantize_weight)
+
+
+def _fp8_scale(name: str, array: np.ndarray, outputs: int, file: Path) -> np.ndarray:
+    """A checkpoint's ``weight_scale`` as ``[outputs]`` float32 (one value per tensor repeated, or one per
+    output), or its ``input_scale`` (``outputs`` 1) as a scalar; anything else (block or group scales) refused."""
+    values = np.asarray(array, np.float32).reshape(-1)
+    if values.size not in (1, outputs):
+        kind = "a weight scale per tensor or per output" if outputs > 1 else "one input scale per tensor"
+        raise CheckpointError(
+            f"{file}: tensor {name!r} has shape {array.shape}; jaxrunner reads {kind} ({outputs} outputs here)"
+        )
+    if not np.all(np.isfinite(values) & (values > 0)):
+        raise CheckpointError(f"{file}: tensor {name!r} has a scale that is not positive and finite")
+    return np.broadcast_to(values, (outputs,)) if outputs > 1 else values.reshape(())
 
 
 def _viewed_tensors(
@@ -340,7 +451,7 @@ def _to_expert_param(
     parts: list[tuple[str, np.ndarray, Path, int | None]],
     path: tuple,
     shape: tuple[int, ...],
-    param_dtype: jnp.dtype,
+    dtype: jnp.dtype,
     sharding: jax.sharding.Sharding,
 ) -> jax.Array:
     """Stacked experts' parameter of ``shape`` (``[experts, in, slots, width]`` or ``[experts, in, out]``)
@@ -361,7 +472,7 @@ def _to_expert_param(
         shards = []
         for expert in experts[index[0]]:
             whole = expert[0] if len(expert) == 1 else np.concatenate(expert, axis=-2)
-            shards.append(np.asarray(whole[inner], dtype=param_dtype))
+            shards.append(np.asarray(whole[inner], dtype=dtype))
         return np.stack(shards)
 
     return jax.make_array_from_callback(shape, sharding, read)  # pyright: ignore[reportArgumentType]
@@ -371,36 +482,42 @@ def _to_merged_param(
     parts: list[tuple[str, np.ndarray, Path, int]],
     path: tuple,
     shape: tuple[int, ...],
-    param_dtype: jnp.dtype,
+    dtype: jnp.dtype,
     sharding: jax.sharding.Sharding,
 ) -> jax.Array:
-    """A merged projection's parameter of ``shape`` (``[in, *groups, slots, width]`` or a bias without ``in``)
-    from its parts' checkpoint tensors (each filling ``slots`` of every group), shape-checked.
+    """A merged projection's parameter of ``shape`` from its parts' checkpoint tensors (each filling
+    ``slots`` of every group), shape-checked: a kernel ``[in, *groups, slots, width]``, an FP8 weight
+    ``[*groups, slots, width, in]``, or a bias or weight scale ``[*groups, slots, width]``.
 
     Each part is viewed in the parameter's layout without a copy (HF's ``[out, in]``
-    transposed, its out axis split into groups, slots and width); each device then
-    copies only its slice of each part.
+    transposed for a kernel, its out axis split into groups, slots and width); each
+    device then copies only its slice of each part.
     """
-    is_kernel = path[-1] == "kernel"
+    leaf = path[-1]
+    slot_axis = len(shape) - (3 if leaf == "weight" else 2)
     views = []
     for name, array, file, slots in parts:
-        part_shape = (*shape[:-2], slots, shape[-1])
-        out = math.prod(part_shape[1:] if is_kernel else part_shape)
-        hf_shape = (out, shape[0]) if is_kernel else (out,)
+        part_shape = (*shape[:slot_axis], slots, *shape[slot_axis + 1 :])
+        if leaf == "kernel":
+            hf_shape = (math.prod(part_shape[1:]), shape[0])
+        elif leaf == "weight":
+            hf_shape = (math.prod(part_shape[:-1]), shape[-1])
+        else:
+            hf_shape = (math.prod(part_shape),)
         if array.shape != hf_shape:
             raise CheckpointError(f"{file}: tensor {name!r} has shape {array.shape}, the model expects {hf_shape}")
-        views.append((array.T if is_kernel else array).reshape(part_shape))
+        views.append((array.T if leaf == "kernel" else array).reshape(part_shape))
 
     # The callback's index is typed Index | None, but jax asserts it is not None before each call.
-    read = lambda index: _read_merged_shard(views, index, shape, param_dtype)  # pyright: ignore[reportArgumentType]
+    read = lambda index: _read_merged_shard(views, index, slot_axis, dtype)  # pyright: ignore[reportArgumentType]
     return jax.make_array_from_callback(shape, sharding, read)
 
 
-def _read_merged_shard(views: list[np.ndarray], index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
+def _read_merged_shard(views: list[np.ndarray], index: tuple[slice, ...], slot_axis: int, dtype) -> np.ndarray:
     """One device's shard of a merged parameter: its slice of every part, joined along the slots axis."""
-    whole_slots = (*index[:-2], slice(None), index[-1])
-    shard = np.concatenate([np.asarray(v[whole_slots], dtype=dtype) for v in views], axis=-2)
-    return shard[(*(slice(None),) * (len(shape) - 2), index[-2], slice(None))]
+    whole_slots = (*index[:slot_axis], slice(None), *index[slot_axis + 1 :])
+    shard = np.concatenate([np.asarray(v[whole_slots], dtype=dtype) for v in views], axis=slot_axis)
+    return shard[(*(slice(None),) * slot_axis, index[slot_axis])]
 
 
 def _to_param(
@@ -408,7 +525,7 @@ def _to_param(
     path: tuple,
     shape: tuple[int, ...],
     config: TransformerConfig,
-    param_dtype: jnp.dtype,
+    dtype: jnp.dtype,
     sharding: jax.sharding.Sharding,
     file: Path,
 ) -> jax.Array:
@@ -427,7 +544,7 @@ def _to_param(
         raise CheckpointError(f"{file}: tensor {hf_name(path)!r} has shape {array.shape}, the model expects {hf_shape}")
     source = array.T if is_kernel else array
     # The callback's index is typed Index | None, but jax asserts it is not None before each call.
-    read = lambda index: _read_shard(source, index, shape, param_dtype)  # pyright: ignore[reportArgumentType]
+    read = lambda index: _read_shard(source, index, shape, dtype)  # pyright: ignore[reportArgumentType]
     return jax.make_array_from_callback(shape, sharding, read)
 
 

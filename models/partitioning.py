@@ -19,6 +19,7 @@ _LINEAR_AXES = {  # a Linear's kernel is [in, out...]; its bias [out...]
     "fc": (None, "embed"),  # EAGLE's projection of (token embedding, feature)
     "gate": ("embed", None),  # a mixture-of-experts router: one logit per expert
 }
+_FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the Linears that may hold FP8 weights
 _NORM_AXES = {
     "input_layernorm": "embed",
     "post_attention_layernorm": "embed",
@@ -33,6 +34,10 @@ PARAM_LOGICAL_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     **{(name, "kernel"): axes for name, axes in _LINEAR_AXES.items()},
     **{(name, "bias"): axes[1:] for name, axes in _LINEAR_AXES.items()},
     **{(name, "weight"): (axis,) for name, axis in _NORM_AXES.items()},
+    # FP8 weights keep HF's [*out, in] (models/quantization.py), their scales the bias's axes
+    **{(name, "weight"): (*_LINEAR_AXES[name][1:], _LINEAR_AXES[name][0]) for name in _FP8_LINEARS},
+    **{(name, "weight_scale"): _LINEAR_AXES[name][1:] for name in _FP8_LINEARS},
+    **{(name, "input_scale"): () for name in _FP8_LINEARS},
     ("experts", "gate_up_proj"): ("expert", "embed", None, "mlp"),  # [experts, in, 2, features]
     ("experts", "down_proj"): ("expert", "mlp", "embed"),
     ("self_attn", "k_scale"): (),  # the KV cache scales: one scalar per layer, on every device

@@ -6,7 +6,9 @@ Module and parameter names follow HuggingFace's (``model.layers[i].self_attn.
 o_proj``...), with Flax leaves: a Linear's ``kernel`` is HF's ``weight``
 transposed to ``[in, out]``, an Embed's ``embedding`` is HF's ``weight``;
 HF's q/k/v and gate/up Linears are merged, each set into one matmul
-(``qkv_proj``, ``gate_up_proj``: :class:`MergedProjection`).
+(``qkv_proj``, ``gate_up_proj``: :class:`MergedProjection`). A Linear with FP8
+weights (``models/quantization.py``) keeps HF's ``weight`` (``[*out, in]``, e4m3)
+with its ``weight_scale`` (and ``input_scale`` where static) instead of a ``kernel``.
 
 Tokens of all requests are packed along one axis; the paged KV cache and the
 ``AttentionMetadata`` say where each token's keys and values live.
@@ -35,10 +37,12 @@ from jaxrunner.models.layers import ACTIVATIONS, RMSNorm, apply_rope
 from jaxrunner.models.lora import LoRABatch, LoRALayer
 from jaxrunner.models.moe import MoEConfig, SparseMoeBlock
 from jaxrunner.models.mrope import mrope_angles
+from jaxrunner.models.quantization import Fp8Config, fp8_config_from_hf
 from jaxrunner.models.qwen2_vl_vision import VisionConfig
 from jaxrunner.models.rope import Rope, rope_from_params, rope_params
 from jaxrunner.models.sharded_attention import write_and_attend
 from jaxrunner.ops import AttentionBackend, AttentionMetadata
+from jaxrunner.ops.fp8_matmul import fp8_matmul, fp8_matmul_impl, quantize_weight
 from jaxrunner.ops.kv_write import is_fp8
 from jaxrunner.sharding import RULES, padded_vocab_size, replicated, tensor_parallel_size
 
@@ -120,12 +124,20 @@ class TransformerConfig:
     image_token_id: int | None = None
     video_token_id: int | None = None
     """The placeholder tokens whose embeddings the vision tower's outputs replace."""
+    quantization: Fp8Config | None = None
+    """FP8 weights in the decoder's Linears (``models/quantization.py``); None: every weight in ``param_dtype``."""
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (one of {sorted(ACTIVATIONS)})")
+        if self.quantization is not None and (self.moe is not None or self.vision is not None):
+            kind = "mixture-of-experts" if self.moe is not None else "vision-language"
+            raise ValueError(f"FP8 weights in a {kind} model are not supported yet: load a bf16 checkpoint")
+        for layer in range(self.num_layers if self.quantization is not None else 0):  # refuses half-FP8 merges
+            self.fp8(layer, "self_attn", ("q_proj", "k_proj", "v_proj"))
+            self.fp8(layer, "mlp", ("gate_proj", "up_proj"))
         if self.layer_types is not None and (
             len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(_LAYER_TYPES)
         ):
@@ -157,6 +169,14 @@ class TransformerConfig:
             return self.local_rope
         return self.rope
 
+    def fp8(self, layer: int, block: str, linears: Sequence[str]) -> Fp8Config | None:
+        """The FP8 config of ``layer``'s Linears ``linears`` (HF names) under ``block`` (``"self_attn"``,
+        ``"mlp"``) where they hold FP8 weights, else None."""
+        if self.quantization is None:
+            return None
+        modules = [f"model.layers.{layer}.{block}.{linear}" for linear in linears]
+        return self.quantization if self.quantization.quantizes_all(modules) else None
+
     @property
     def sm_scale(self) -> float:
         """What attention scores are multiplied by before the softmax."""
@@ -176,15 +196,9 @@ class TransformerConfig:
                 vision=VisionConfig.from_hf(hf_config.vision_config),
                 image_token_id=hf_config.image_token_id,
                 video_token_id=hf_config.video_token_id,
+                quantization=fp8_config_from_hf(getattr(hf_config, "quantization_config", None)),
             )
         model_type = getattr(hf_config, "model_type", None)
-        quantization = getattr(hf_config, "quantization_config", None)
-        if quantization:
-            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-            raise ValueError(
-                f"quantization_config (quant_method {method!r}) is not supported yet: the weights must be "
-                "bf16, fp16 or fp32"
-            )
         rope, local_rope = _ropes_from_hf(hf_config, max_model_len)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -222,10 +236,11 @@ class TransformerConfig:
             mrope_section=_mrope_section(hf_config),
         )
         if model_type in gemma.MODEL_TYPES:
-            return dataclasses.replace(config, **gemma.gemma_fields(hf_config))
+            config = dataclasses.replace(config, **gemma.gemma_fields(hf_config))
         if model_type in moe.MODEL_TYPES:
-            return dataclasses.replace(config, moe=moe.moe_config(hf_config))
-        return config
+            config = dataclasses.replace(config, moe=moe.moe_config(hf_config))
+        quantization = fp8_config_from_hf(getattr(hf_config, "quantization_config", None))
+        return config if quantization is None else dataclasses.replace(config, quantization=quantization)
 
 
 def _ropes_from_hf(hf_config: Any, max_model_len: int | None) -> tuple[Rope, Rope | None]:
@@ -264,7 +279,40 @@ def config_norm(config: TransformerConfig, dim: int, *, dtype, param_dtype) -> C
     )
 
 
-class MergedProjection(nnx.Module):
+class Fp8Weights(nnx.Module):
+    """A Linear's weights in FP8, as HF names them (``models/quantization.py``): ``weight`` ``[*out, in]`` in
+    e4m3 (the contraction axis minor, as FP8 GEMMs read it), ``weight_scale`` ``[*out]`` (float32, a
+    per-tensor scale repeated over its outputs) and, where inputs are scaled statically, ``input_scale``."""
+
+    def init_fp8(self, in_features: int, out_shape: tuple[int, ...], fp8: Fp8Config | None, rngs: nnx.Rngs) -> None:
+        """Random FP8 weights where ``fp8`` (else none): the kernel the unquantized Linear draws from the same
+        ``rngs``, quantized per output, so that a random model in FP8 is its unquantized twin's quantization."""
+        self.quantization = fp8
+        values = scale = None
+        if fp8 is not None:
+            shape = (in_features, *out_shape)
+            init = nnx.initializers.lecun_normal(in_axis=0, out_axis=tuple(range(1, len(shape))))
+            values, scale = quantize_weight(jnp.moveaxis(init(rngs.params(), shape, jnp.float32), 0, -1))
+        self.weight = None if values is None else nnx.Param(values)
+        self.weight_scale = None if scale is None else nnx.Param(scale)
+        static = fp8 is not None and fp8.static_input_scales
+        self.input_scale = nnx.Param(jnp.ones((), jnp.float32)) if static else None
+
+    def fp8_matmul(self, x: Float[Array, "num_tokens in_features"], dtype) -> Float[Array, " num_tokens *out_shape"]:
+        """``x`` times the FP8 weights, by the implementation chosen for this many tokens."""
+        assert self.quantization is not None and self.weight is not None and self.weight_scale is not None
+        fp8 = self.quantization
+        return fp8_matmul(
+            x,
+            self.weight[...],
+            self.weight_scale[...],
+            None if self.input_scale is None else self.input_scale[...],
+            impl=fp8_matmul_impl(x.shape[0], fp8.activations, fp8.matmul),
+            dtype=dtype,
+        )
+
+
+class MergedProjection(Fp8Weights):
     """Several of HF's Linears that read the same input, as one matmul (vLLM's merged and QKV linears).
 
     The kernel is ``[in, *groups, slots, width]``; ``parts`` names the HF Linears in
@@ -274,6 +322,7 @@ class MergedProjection(nnx.Module):
     so a split over KV heads gives every device whole groups), gate/up ``[in, 2,
     intermediate]``. One matmul instead of two or three: fewer, larger kernels.
     With LoRA the kernel is flattened to ``[in, outputs + LoRA columns]`` (``add_lora_columns``).
+    With ``fp8``, an FP8 ``weight`` ``[*groups, slots, width, in]`` and its scales instead (:class:`Fp8Weights`).
     """
 
     def __init__(
@@ -287,10 +336,15 @@ class MergedProjection(nnx.Module):
         dtype,
         param_dtype,
         rngs: nnx.Rngs,
+        fp8: Fp8Config | None = None,
     ):
         shape = (in_features, *groups, sum(slots for _, slots in parts), width)
-        init = nnx.initializers.lecun_normal(in_axis=0, out_axis=tuple(range(1, len(shape))))
-        self.kernel = nnx.Param(init(rngs.params(), shape, param_dtype))
+        if fp8 is None:
+            init = nnx.initializers.lecun_normal(in_axis=0, out_axis=tuple(range(1, len(shape))))
+            self.kernel = nnx.Param(init(rngs.params(), shape, param_dtype))
+        else:
+            self.kernel = None
+        self.init_fp8(in_features, shape[1:], fp8, rngs)
         self.bias = nnx.Param(jnp.zeros(shape[1:], param_dtype)) if use_bias else None
         self.parts = parts
         self.dtype = dtype
@@ -308,15 +362,44 @@ class MergedProjection(nnx.Module):
     ) -> list[Float[Array, "num_tokens *groups _ width"]]:
         """Each part's output, ``[num_tokens, *groups, slots, width]``, with ``lora``'s product added where
         the kernel carries the LoRA slots' A (``add_lora_columns``)."""
-        kernel, bias = self.kernel[...].astype(self.dtype), None if self.bias is None else self.bias[...]
-        if self.lora_group is None:
-            y = jnp.tensordot(x.astype(self.dtype), kernel, axes=1)
-            y = y if bias is None else y + bias.astype(self.dtype)
-            return jnp.split(y, self.split_points, axis=-2)
-        y, shrunk = _project(x, kernel, self.num_outputs, self.dtype)
-        y = y if bias is None else y + bias.astype(self.dtype).reshape(-1)
-        parts = jnp.split(y.reshape(x.shape[0], *self.out_shape), self.split_points, axis=-2)
-        return parts if lora is None else lora.add(self.lora_group, parts, shrunk)
+        bias = None if self.bias is None else self.bias[...]
+        if self.kernel is None:
+            y = self.fp8_matmul(x, self.dtype)
+        elif self.lora_group is None:
+            y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), axes=1)
+        else:
+            y, shrunk = _project(x, self.kernel[...].astype(self.dtype), self.num_outputs, self.dtype)
+            y = y if bias is None else y + bias.astype(self.dtype).reshape(-1)
+            parts = jnp.split(y.reshape(x.shape[0], *self.out_shape), self.split_points, axis=-2)
+            return parts if lora is None else lora.add(self.lora_group, parts, shrunk)
+        y = y if bias is None else y + bias.astype(self.dtype)
+        return jnp.split(y, self.split_points, axis=-2)
+
+
+class Fp8Linear(Fp8Weights):
+    """A Linear over ``[num_tokens, in]`` whose weights are FP8 (:class:`Fp8Weights`)."""
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool, dtype, param_dtype, rngs, fp8):
+        self.init_fp8(in_features, (out_features,), fp8, rngs)
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
+        self.dtype = dtype
+
+    def __call__(
+        self, x: Float[Array, "num_tokens in_features"], lora: LoRALayer | None = None
+    ) -> Float[Array, "num_tokens out_features"]:
+        y = self.fp8_matmul(x, self.dtype)
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
+
+def linear(
+    in_features: int, out_features: int, *, use_bias: bool, dtype, param_dtype, rngs: nnx.Rngs, fp8: Fp8Config | None
+) -> "Linear | Fp8Linear":
+    """A decoder Linear: :class:`Fp8Linear` where ``fp8``, else :class:`Linear`."""
+    if fp8 is None:
+        return Linear(in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    return Fp8Linear(
+        in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs, fp8=fp8
+    )
 
 
 class Linear(nnx.Linear):
@@ -357,14 +440,16 @@ class Attention(nnx.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             rngs=rngs,
+            fp8=config.fp8(layer, "self_attn", ("q_proj", "k_proj", "v_proj")),
         )
-        self.o_proj = Linear(
+        self.o_proj = linear(
             config.num_heads * config.head_dim,
             config.hidden_size,
             use_bias=config.o_proj_bias,
             dtype=dtype,
             param_dtype=param_dtype,
             rngs=rngs,
+            fp8=config.fp8(layer, "self_attn", ("o_proj",)),
         )
         norm = config_norm(config, config.head_dim, dtype=dtype, param_dtype=param_dtype)
         self.q_norm = norm() if config.qk_norm else None
@@ -441,7 +526,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """Gated feed-forward: ``down(act(gate(x)) * up(x))``, SwiGLU with ``silu``, GeGLU with ``gelu_pytorch_tanh``."""
 
-    def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, layer: int, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.gate_up_proj = MergedProjection(
             config.hidden_size,
             (),
@@ -451,14 +536,16 @@ class MLP(nnx.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             rngs=rngs,
+            fp8=config.fp8(layer, "mlp", ("gate_proj", "up_proj")),
         )
-        self.down_proj = Linear(
+        self.down_proj = linear(
             config.intermediate_size,
             config.hidden_size,
             use_bias=config.mlp_bias,
             dtype=dtype,
             param_dtype=param_dtype,
             rngs=rngs,
+            fp8=config.fp8(layer, "mlp", ("down_proj",)),
         )
         self.act = ACTIVATIONS[config.hidden_act]
 
@@ -490,7 +577,7 @@ class DecoderLayer(nnx.Module):
                 config.hidden_size, config.moe, config.hidden_act, dtype=dtype, param_dtype=param_dtype, rngs=rngs
             )
         else:
-            self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            self.mlp = MLP(config, layer, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(
         self,

@@ -124,3 +124,127 @@ def hf_logits(path: str | PathLike, prompts: list[list[int]]) -> list[np.ndarray
     model.eval()
     with torch.no_grad():
         return [model(torch.tensor([p])).logits[0].numpy() for p in prompts]
+
+
+FP8_MAX = 448.0
+_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+_FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+FP8_FORMATS = {
+    # llm-compressor's FP8-dynamic: per-channel weight scales [out, 1], inputs per token at run time.
+    "compressed-tensors-dynamic": dict(
+        per_channel=True,
+        input_scales=False,
+        config={
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True},
+                    "output_activations": None,
+                }
+            },
+            "ignore": ["lm_head"],
+        },
+    ),
+    # llm-compressor's static FP8: one weight scale [1] and one calibrated input scale [1] per Linear.
+    "compressed-tensors-static": dict(
+        per_channel=False,
+        input_scales=True,
+        config={
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+                }
+            },
+            "ignore": ["lm_head"],
+        },
+    ),
+    # ModelOpt FP8 (hf_quant_config.json): scalar weight and input scales; the last layer's MLP left out.
+    "modelopt": dict(
+        per_channel=False,
+        input_scales=True,
+        hf_quant_config={
+            "producer": {"name": "modelopt", "version": "0.19.0"},
+            "quantization": {
+                "quant_algo": "FP8",
+                "kv_cache_quant_algo": None,
+                "exclude_modules": ["lm_head", "*.2.mlp.*"],
+            },
+        },
+    ),
+}
+"""Test FP8 checkpoint formats, each as its producer lays out tensors and ``quantization_config``."""
+
+
+def quantize_fp8(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[out, in]`` in e4m3 with its float32 scales (``[out, 1]`` per channel, ``[1]`` per tensor):
+    the largest magnitude of each row (or of all) onto e4m3's largest value, as llm-compressor and vLLM scale."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
+    scale = torch.clamp(amax / FP8_MAX, min=_MIN_SCALE)
+    values = (w / (scale if per_channel else scale[0])).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def save_fp8_checkpoint(source: str | PathLike, out: str | PathLike, fmt: str) -> dict[str, torch.Tensor]:
+    """The tiny model saved at ``source`` written to ``out`` with its decoder Linears in FP8 as ``fmt``
+    (one of ``FP8_FORMATS``) lays them out; returns the model's float32 state dict with those weights
+    dequantized (the same function, for the reference)."""
+    import json
+    import re
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    spec = FP8_FORMATS[fmt]
+    source, out = Path(source), Path(out)
+    out.mkdir(parents=True)
+    state = {}
+    for file in sorted(source.glob("*.safetensors")):
+        state.update(load_file(file))
+    tensors, dequantized = {}, {}
+    for name, tensor in state.items():
+        module = name.removesuffix(".weight")
+        linear = module.rsplit(".", 1)[-1] in _FP8_LINEARS and name.endswith(".weight")
+        if not linear or (fmt == "modelopt" and re.search(r"\.2\.mlp\.", module)):
+            tensors[name] = dequantized[name] = tensor
+            continue
+        values, scale = quantize_fp8(tensor, spec["per_channel"])
+        tensors[name] = values
+        tensors[f"{module}.weight_scale"] = scale.reshape(()) if fmt == "modelopt" else scale
+        if spec["input_scales"]:  # a calibrated scale per Linear; any positive value is a valid checkpoint
+            input_scale = torch.tensor([0.01 + 0.002 * (len(tensors) % 5)])
+            tensors[f"{module}.input_scale"] = input_scale.reshape(()) if fmt == "modelopt" else input_scale
+        dequantized[name] = values.float() * (scale if spec["per_channel"] else scale[0])
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    if "config" in spec:
+        config["quantization_config"] = spec["config"]
+    else:
+        (out / "hf_quant_config.json").write_text(json.dumps(spec["hf_quant_config"]))
+    (out / "config.json").write_text(json.dumps(config))
+    for item in source.iterdir():
+        if item.is_file() and item.suffix != ".safetensors" and item.name != "config.json":
+            shutil.copy2(item, out / item.name)
+    return dequantized
+
+
+def hf_logits_with_state(
+    path: str | PathLike, state: dict[str, torch.Tensor], prompts: list[list[int]]
+) -> list[np.ndarray]:
+    """Transformers' float32 logits of each prompt, of the model saved at ``path`` with ``state`` loaded over
+    its weights."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0].numpy() for p in prompts]

@@ -80,6 +80,8 @@ class LLM:
     ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
     ``gpu_memory_utilization``, ``num_gpu_blocks_override``, ``kv_cache_dtype``
     (vLLM's names: "auto", "bfloat16", "fp8"/"fp8_e4m3", "fp8_e5m2"...),
+    ``quantization`` ("fp8": the decoder's weights in FP8, quantized as they load
+    where the checkpoint's are not; FP8 checkpoints load as FP8 without it),
     ``calculate_kv_scales`` (an FP8 cache's scales from its first writes),
     ``enable_prefix_caching``, ``enable_chunked_prefill``, ``async_scheduling``
     (on: step k+1 is scheduled and dispatched while step k's tokens are on their
@@ -162,6 +164,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         num_gpu_blocks_override: int | None = None,
         kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
         calculate_kv_scales: bool = False,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
@@ -224,7 +227,9 @@ class LLM:
         if compilation_cache_dir is not None:
             compilation.cache_dir = compilation_cache_dir
         config = RunnerConfig(
-            model_config=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            model_config=ModelConfig(
+                model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, quantization=quantization
+            ),
             cache_config=CacheConfig(
                 block_size=block_size,
                 gpu_memory_utilization=gpu_memory_utilization,

@@ -62,6 +62,11 @@ def check_lora_model_support(config: RunnerConfig, arch: TransformerConfig) -> N
         raise NotImplementedError(
             "LoRA adapters on a mixture-of-experts model are not supported yet: serve it without enable_lora."
         )
+    if config.lora_config is not None and arch.quantization is not None:
+        raise NotImplementedError(
+            "LoRA adapters on FP8 weights are not supported yet: serve the bf16 checkpoint with enable_lora, "
+            "or the FP8 one without."
+        )
 
 
 class AdapterCache:

@@ -445,6 +445,7 @@ class ModelRunner:
             seed=self.model_config.seed,
             mesh=self.mesh,
             max_model_len=self.model_config.max_model_len,
+            quantization=self.model_config.quantization,
         )
 
     def profile_run(self) -> ActivationPeak:
