@@ -29,6 +29,10 @@ tokens touches (``1 - (1 - top_k / experts) ** batch`` of each layer's, their ex
 roofline each token's ``top_k`` experts' FLOPs. With ``--shape gemma3-12b`` a sliding-window layer's
 floor counts only the window's keys and values.
 
+With ``--quantization fp8`` the weights are random FP8 (per-channel scales, the matmuls as each bucket
+chooses them: ``ops/fp8_matmul.py``) and the floor counts their bytes; ``--kv-cache-dtype fp8`` halves the
+KV's.
+
 With ``--shape llama3-8b-narrow`` (the 8B's layers, heads and vocabulary with
 narrow matrices) the step's floor is tiny and its time is the fixed cost every
 step pays. ``--shape tiny`` runs on a CPU in seconds (the test suite's check).
@@ -37,6 +41,7 @@ step pays. ``--shape tiny`` runs on a CPU in seconds (the test suite's check).
     python -m benchmarks.decode_step --batches 1 16 64 256 --contexts 1024 4096 --out decode_step.json
     python -m benchmarks.decode_step --tensor-parallel-size 2 --profile --out tp2.json
     python -m benchmarks.decode_step --batches 1 64 --contexts 1024 --loras 4 --lora-rank 16 --out lora.json
+    python -m benchmarks.decode_step --batches 1 64 --contexts 1024 --quantization fp8 --out fp8.json
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ from benchmarks.harness import (
     time_decode,
     write_json,
 )
-from jaxrunner.config import LoRAConfig
+from jaxrunner.config import CACHE_DTYPES, LoRAConfig
+from jaxrunner.models.loader import with_quantization
 from jaxrunner.runner.model_runner import ModelRunner
 
 # Kernel names of an all-reduce: NCCL's (ncclDevKernel_AllReduce_...) and XLA's own.
@@ -244,6 +250,10 @@ def main() -> None:
         "them) beside the same weights, and give each step's time over the plain runner's",
     )
     parser.add_argument("--lora-rank", type=int, default=16, help="the rank of --loras' adapters (on all projections)")
+    parser.add_argument(
+        "--quantization", choices=["fp8"], help="the weights in FP8 (random, per-channel scales); unset: bf16"
+    )
+    parser.add_argument("--kv-cache-dtype", choices=list(CACHE_DTYPES), default="auto", help="the KV cache's dtype")
     parser.add_argument("--out", default="decode_step.json")
     parser.add_argument("--profile", action="store_true", help="also record each case's kernels with CUPTI (GPU)")
     parser.add_argument("--trace", action="store_true", help="also trace each case's device timeline (GPU)")
@@ -265,13 +275,14 @@ def main() -> None:
     start = time.perf_counter()
     runner_for = functools.partial(
         build_runner,
-        SHAPES[args.shape],
+        with_quantization(SHAPES[args.shape], args.quantization),
         args.batches,
         max(args.contexts),
         args.steps,
         args.scheduler_steps,
         args.compiler_options,
         args.tensor_parallel_size,
+        cache_dtype=args.kv_cache_dtype,
     )
     runner = runner_for()
     load_s = time.perf_counter() - start
@@ -312,6 +323,8 @@ def main() -> None:
     result = dict(
         **facts,
         shape=args.shape,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         scheduler_steps=args.scheduler_steps,
         tensor_parallel_size=args.tensor_parallel_size,
         compiler_options={batch: runner.compilation.compiler_options(batch) for batch in args.batches},

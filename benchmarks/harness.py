@@ -311,11 +311,14 @@ def build_runner(
     tensor_parallel_size: int = 1,
     lora_config: LoRAConfig | None = None,
     weights: CausalLM | None = None,
+    cache_dtype: str = "auto",
 ) -> ModelRunner:
     """A runner on a random-weight bf16 ``model``, buckets exactly ``batches``, a random KV cache for
     ``max(batches)`` requests of ``max_context`` tokens and ``steps`` rounds more, ``scheduler_steps``
     decode steps per round, its programs compiled with ``compiler_options`` (None: the runner's
-    defaults), the model split over ``tensor_parallel_size`` devices, LoRA slots with ``lora_config``.
+    defaults), the model split over ``tensor_parallel_size`` devices, LoRA slots with ``lora_config``,
+    the KV cache in ``cache_dtype`` (vLLM's ``kv_cache_dtype`` names). A ``model`` with FP8 ``quantization``
+    gets random FP8 weights.
     ``weights`` (``model``'s, built by an earlier call: ``runner.model``) are shared instead of drawn again."""
     parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
     mesh = make_mesh(parallel)
@@ -323,7 +326,9 @@ def build_runner(
     max_model_len = max_context + steps * scheduler_steps + 16
     config = RunnerConfig(
         model_config=ModelConfig(dtype="bfloat16", max_model_len=max_model_len),
-        cache_config=CacheConfig(num_gpu_blocks_override=max_batch * (-(-max_model_len // 16)) + 16),
+        cache_config=CacheConfig(
+            num_gpu_blocks_override=max_batch * (-(-max_model_len // 16)) + 16, cache_dtype=cache_dtype
+        ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_batch,
             max_num_batched_tokens=max_batch,

@@ -261,17 +261,18 @@ def test_engine_on_fp8_weights_and_fp8_kv_cache_compiles_nothing_after_warm_up(c
     """The built-in model quantized as it loads, over an FP8 KV cache: mixed prefills and decodes compile
     nothing new; prefix caching, chunking and preemption change no token; the first tokens are the
     float32 model's (the rest reported)."""
-    want = _greedy(tiny_llm(cache_dir), PROMPTS)
-    llm = tiny_llm(cache_dir, quantization="fp8", kv_cache_dtype="fp8", enable_prefix_caching=False)
+    buckets: dict[str, Any] = dict(max_num_batched_tokens=32, token_buckets=[8, 32], request_buckets=[4])
+    want = _greedy(tiny_llm(cache_dir, **buckets), PROMPTS)
+    fp8 = dict(buckets, quantization="fp8", kv_cache_dtype="fp8")
+    llm = tiny_llm(cache_dir, enable_prefix_caching=False, **fp8)
     compiled = CompileCounter.count()
-    got = _greedy(llm, PROMPTS)
+    got = _greedy(llm, PROMPTS)  # prompts of up to 90 tokens: chunked prefills beside decodes
     assert CompileCounter.count() == compiled
     agreement = np.mean([a == b for x, y in zip(got, want) for a, b in zip(x, y)])
     first = np.mean([x[0] == y[0] for x, y in zip(got, want)])
     print(f"engine, FP8 weights and KV cache: greedy agreement {agreement:.3f}, first tokens {first:.3f}")
     assert first >= 0.75
-    cached = tiny_llm(cache_dir, quantization="fp8", kv_cache_dtype="fp8", max_num_batched_tokens=32)
-    assert _greedy(cached, PROMPTS + PROMPTS[:3])[: len(PROMPTS)] == got
-    tight = tiny_llm(cache_dir, quantization="fp8", kv_cache_dtype="fp8", num_gpu_blocks_override=14)
+    assert _greedy(tiny_llm(cache_dir, **fp8), PROMPTS + PROMPTS[:3])[: len(PROMPTS)] == got  # prefix hits
+    tight = tiny_llm(cache_dir, num_gpu_blocks_override=8, enable_prefix_caching=False, **fp8)
     assert _greedy(tight, PROMPTS) == got
     assert tight.llm_engine.scheduler.num_preemptions > 0
