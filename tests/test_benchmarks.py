@@ -81,6 +81,22 @@ COMMANDS = {
         "--out",
         "{out}",
     ],
+    "fp8_matmul": [
+        "--rows",
+        "1",
+        "4",
+        "--repeats",
+        "1",
+        "--projections",
+        "qkv",
+        "o",
+        "--scale",
+        "64",
+        "--floor-elements",
+        "65536",
+        "--out",
+        "{out}",
+    ],
     "sampler_step": [
         "--shape",
         "tiny",
@@ -130,6 +146,7 @@ COMMANDS = {
         "{out}",
     ],
     "e2e": ["--model", "tiny-llama", "--parts", "a", "f", "--out-dir", "{out}"],
+    "converted_startup": ["--shape", "tiny", "--quantization", "fp8", "--out", "{out}"],
     "kv_offload": [
         "--model",
         "tiny-llama",
@@ -290,6 +307,40 @@ def test_matmul_step_times_every_projection_and_variant(runs):
                 row = rows[projection, m, variant]
                 assert row["timer"] == "wall" and row["kernel_s"] > 0 and row["fraction_of_copy"] > 0
                 assert row["max_rel_error"] < 0.05
+
+
+def test_fp8_matmul_times_each_implementation_against_its_floors(runs):
+    result = result_of(runs, "fp8_matmul")
+    assert_stamped(result)
+    assert result["copy_bytes_per_s"] > 0 and result["fp8_matmul_flops_per_s"] > 0
+    rows = result["rows"]
+    variants = {f"{impl}{gemm}" for impl in ("w8a8", "weight_only", "bf16") for gemm in ("", "/cublas")}
+    assert {(r["projection"], r["rows"], r["variant"]) for r in rows} == {
+        (p, m, v) for p in ("qkv", "o") for m in (1, 4) for v in variants
+    }
+    for row in rows:
+        assert row["kernel_s"] > 0 and row["floor_s"] == max(row["copy_floor_s"], row["matmul_floor_s"])
+        assert row["over_floor"] == pytest.approx(row["kernel_s"] / row["floor_s"])
+        assert row["speedup_over_bf16"] > 0
+        # FP8's rounding against the bf16 product (weights only: a few %; inputs too: a few % more).
+        assert row["rel_error"] == 0.0 if row["impl"] == "bf16" else 0 < row["rel_error"] < 0.1
+        assert isinstance(row.get("fp8_gemm", False), bool) and ("fp8_gemm" in row) == (row["impl"] == "w8a8")
+    fp8 = next(r for r in rows if r["impl"] == "w8a8")
+    bf16 = next(r for r in rows if r["impl"] == "bf16" and r["projection"] == fp8["projection"])
+    assert fp8["copy_floor_s"] < bf16["copy_floor_s"]  # half the weight bytes
+
+
+def test_converted_startup_starts_from_safetensors_and_from_the_conversion(runs):
+    result = result_of(runs, "converted_startup")
+    assert_stamped(result)
+    assert result["quantization"] == "fp8" and result["checkpoint_write_s"] > 0
+    safetensors, converted = result["safetensors"], result["converted"]
+    for start in (result["warm_up"], safetensors, converted):
+        assert start["time_to_first_token_s"] >= start["construct_s"] >= start["load_model_s"] > 0
+        assert start["programs"] > 0
+    assert safetensors["save_converted_s"] > 0 and "save_converted_s" not in converted
+    assert converted["first_token_ids"] == safetensors["first_token_ids"]
+    assert result["speedup"] == pytest.approx(safetensors["time_to_first_token_s"] / converted["time_to_first_token_s"])
 
 
 def test_sampler_step_sets_the_sampler_against_the_decode_step(runs):

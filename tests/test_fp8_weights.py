@@ -3,6 +3,7 @@ the way its producer lays it out, loads and runs the function of its dequantized
 is the test's own quantization; W8A8 stays within FP8's error of the original; bad formats are refused; the
 weights split over devices and restore from orbax unchanged; the engine compiles nothing after warm-up."""
 
+import functools
 import json
 from typing import Any
 
@@ -27,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from test_model_parity import jitted_step, pack, random_caches, random_prompts, rel_err
 from test_sharding import tp_mesh
 
+from benchmarks.fp8_matmul import uses_fp8_gemm
 from jaxrunner import envs
 from jaxrunner.engine.llm import LLM
 from jaxrunner.interfaces import SamplingParams
@@ -276,3 +278,18 @@ def test_engine_on_fp8_weights_and_fp8_kv_cache_compiles_nothing_after_warm_up(c
     tight = tiny_llm(cache_dir, num_gpu_blocks_override=8, enable_prefix_caching=False, **fp8)
     assert _greedy(tight, PROMPTS) == got
     assert tight.llm_engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64, 8192])
+def test_w8a8_compiles_to_an_fp8_gemm_without_a_wider_copy_of_the_weight(rows):
+    """On the GPU the W8A8 product is one FP8 GEMM (no bf16 fallback reading a converted weight)."""
+    key = jax.random.key(0)
+    k, n = 4096, 6144  # the 8B's q/k/v
+    values, scale = jax.jit(quantize_weight)(jax.random.normal(key, (n, k), jnp.bfloat16) * 0.02)
+    x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.bfloat16)
+    product = functools.partial(fp8_matmul, input_scale=None, dtype=jnp.bfloat16)
+    compiled = jax.jit(functools.partial(product, impl="w8a8")).lower(x, values, scale).compile()
+    assert uses_fp8_gemm(compiled.as_text(), n, k), compiled.as_text()[-3000:]
+    want = np.asarray(product(x, values, scale, impl="weight_only"), np.float32)
+    assert rel_err(np.asarray(compiled(x, values, scale), np.float32), want) < 0.05
