@@ -160,6 +160,14 @@ def test_on_load_quantization_is_the_usual_per_channel_e4m3(source):
     up, up_scale = quantize_fp8(tensors["model.layers.1.mlp.up_proj.weight"], per_channel=True)
     np.testing.assert_array_equal(np.asarray(gate_up.weight[...][1]).view(np.uint8), up.view(torch.uint8).numpy())
     np.testing.assert_allclose(np.asarray(gate_up.weight_scale[...][1]), up_scale[:, 0].numpy(), rtol=1e-6)
+    split = loader.hf_tensors(model)  # and back into HF's tensors, each part with its own
+    np.testing.assert_array_equal(
+        split["model.layers.1.mlp.up_proj.weight"].view(np.uint8), up.view(torch.uint8).numpy()
+    )
+    np.testing.assert_allclose(split["model.layers.1.mlp.up_proj.weight_scale"], up_scale[:, 0].numpy(), rtol=1e-6)
+    assert (
+        split["model.layers.0.self_attn.k_proj.weight"].shape == tensors["model.layers.0.self_attn.k_proj.weight"].shape
+    )
 
 
 def test_static_input_scale_of_a_merged_projection_is_its_parts_largest(source, tmp_path):

@@ -160,18 +160,21 @@ def unsharded_logits(checkpoint):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_logits_equal_unsharded_and_each_device_reads_its_slice(tp, checkpoint, unsharded_logits, monkeypatch):
-    read = {}
+    read: dict[str, list[float]] = {"plain": [], "merged": []}
+    read_plain, read_merged = loader._read_shard, loader._read_merged_shard
 
-    def recording(reader, kind):
-        def read_shard(source, index, shape, dtype):
-            shard = reader(source, index, shape, dtype)
-            read.setdefault(kind, []).append(shard.size / np.prod(shape))
-            return shard
+    def plain(source, index, shape, dtype):
+        shard = read_plain(source, index, shape, dtype)
+        read["plain"].append(shard.size / np.prod(shape))
+        return shard
 
-        return read_shard
+    def merged(views, index, slot_axis, dtype):
+        shard = read_merged(views, index, slot_axis, dtype)
+        read["merged"].append(shard.size / sum(view.size for view in views))
+        return shard
 
-    monkeypatch.setattr(loader, "_read_shard", recording(loader._read_shard, "plain"))
-    monkeypatch.setattr(loader, "_read_merged_shard", recording(loader._read_merged_shard, "merged"))
+    monkeypatch.setattr(loader, "_read_shard", plain)
+    monkeypatch.setattr(loader, "_read_merged_shard", merged)
     mesh = tp_mesh(tp)
     model, config = load_model(checkpoint, mesh=mesh)
     assert max(read["plain"]) == 1.0 and min(read["plain"]) == 1 / tp  # norms whole, the rest a 1/TP slice
