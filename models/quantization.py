@@ -122,14 +122,16 @@ def fp8_config_from_hf(quantization: Any) -> Fp8Config | None:
 
 def _compressed_tensors(config: dict[str, Any]) -> tuple[str | None, list[str]]:
     """compressed-tensors: every config group's scheme must be one FP8 scheme the matmuls run."""
-    fmt = config.get("format")
-    if fmt != "float-quantized":
-        raise ValueError(f"compressed-tensors format {fmt!r} is not supported: only 'float-quantized' (FP8 weights)")
     groups = config.get("config_groups") or {}
     if not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
     schemes = set()
     for name, group in groups.items():
+        fmt = group.get("format") or config.get("format")  # newer versions name it per group
+        if fmt != "float-quantized":
+            raise ValueError(
+                f"compressed-tensors format {fmt!r} is not supported: only 'float-quantized' (FP8 weights)"
+            )
         targets = group.get("targets") or []
         if targets != ["Linear"]:
             raise ValueError(f"compressed-tensors config_groups.{name}.targets {targets!r}: only ['Linear']")
