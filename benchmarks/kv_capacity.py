@@ -56,7 +56,6 @@ def capacity(weights: CausalLM, args: argparse.Namespace, hybrid: bool) -> dict:
         sliding_windows=[w for w in manager.windows if w is not None],
         bytes_per_block=runner.kv_cache_spec.bytes_per_block,
         **runner.memory_budget.summary(),
-        vllm_kv_cache_tokens=manager.num_usable_blocks // manager.num_groups * runner.block_size,
         max_concurrency=concurrency,
         context_tokens_held=int(concurrency * args.max_model_len),
         memory=device_memory(),

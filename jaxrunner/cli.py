@@ -353,7 +353,7 @@ def _bench(args: argparse.Namespace) -> None:
         "num_preemptions": sum(e.scheduler.num_preemptions for e in engines),
         "prefix_cache_hit_rate": prefix_cache.hit_rate,
         "kv_cache_blocks": sum(m.num_usable_blocks for m in managers),
-        "kv_cache_tokens": sum(m.num_usable_blocks * m.block_size for m in managers),
+        "kv_cache_tokens": sum(m.num_usable_blocks // m.num_groups * m.block_size for m in managers),
         "max_num_scheduled_reqs": max(e.scheduler.max_num_scheduled_reqs for e in engines),
         "num_steps": sum(t.num_steps for t in step_times),
         "host_ms_per_step": sum(t.host_s for t in step_times) / steps * 1e3,

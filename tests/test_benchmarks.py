@@ -397,6 +397,8 @@ def test_kv_capacity_counts_more_context_with_sliding_window_groups(runs):
     hybrid, full = result["ways"]
     assert (hybrid["kv_cache_groups"], full["kv_cache_groups"]) == (6, 1)
     assert hybrid["kv_cache_gib"] == pytest.approx(full["kv_cache_gib"])  # the same budget: 240 x 1 or 40 x 6 layers
+    # Every token takes a slot in each group's blocks: vLLM's token count divides the blocks by the groups.
+    assert (hybrid["kv_cache_tokens"], full["kv_cache_tokens"]) == (240 // 6 * 16, 40 * 16)
     # A 256-token request holds 16 one-layer blocks of the full group and 5 (a 32-token window and a
     # 32-token chunk) of each of 5 sliding ones: 41, against 16 six-layer blocks in one group.
     assert hybrid["max_concurrency"] == pytest.approx(239 / 41) and full["max_concurrency"] == pytest.approx(39 / 16)

@@ -97,6 +97,8 @@ class MemoryBudget:
     keeps no memory statistics (the CPU) the device's figures are None and the cache got
     ``CacheConfig.cpu_kv_cache_bytes``; ``num_gpu_blocks_override`` leaves them all None.
     ``bytes_per_block`` is this device's share of a block, a draft model's cache included.
+    With several KV-cache groups every token takes a block's slot in each, so the cache holds
+    ``num_tokens`` (vLLM's "KV cache size" in tokens), not every block's slots.
     """
 
     num_blocks: int
@@ -107,6 +109,12 @@ class MemoryBudget:
     weights_bytes: int | None = None
     activation_bytes: int | None = None
     margin_bytes: int | None = None
+    num_kv_cache_groups: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens the blocks hold, each group's share of them (vLLM's figure)."""
+        return self.num_blocks // self.num_kv_cache_groups * self.block_size
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -115,7 +123,7 @@ class MemoryBudget:
 
     def __str__(self) -> str:
         cache = (
-            f"KV cache {self.num_blocks} blocks allocated, {self.num_blocks * self.block_size} tokens, "
+            f"KV cache {self.num_blocks} blocks allocated, {self.num_tokens} tokens, "
             f"{_gib(self.kv_cache_bytes)} a device"
         )
         total, weights, activations, margin = (
@@ -141,7 +149,7 @@ class MemoryBudget:
             "activation_peak_gib": gib(self.activation_bytes),
             "margin_gib": gib(self.margin_bytes),
             "kv_cache_blocks": self.num_blocks,
-            "kv_cache_tokens": self.num_blocks * self.block_size,
+            "kv_cache_tokens": self.num_tokens,
             "kv_cache_gib": gib(self.kv_cache_bytes),
         }
 

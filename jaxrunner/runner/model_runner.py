@@ -460,6 +460,7 @@ class ModelRunner:
                 num_blocks = self.cache_config.num_gpu_blocks_override
             tp = tensor_parallel_size(self.mesh)  # each device holds its share of every block, a drafter's too
             bytes_per_block = sum(spec.per_device(tp).bytes_per_block for spec in self._kv_specs())
+            groups = self.kv_cache_groups.num_groups
             if num_blocks is None:
                 budget = size_kv_cache(
                     self.block_size,
@@ -467,13 +468,15 @@ class ModelRunner:
                     self.cache_config,
                     self.mesh.local_devices[0],
                     activation_bytes=self.profile_run().bytes,
-                    max_useful_blocks=self.max_num_reqs * self.max_blocks_per_req * self.kv_cache_groups.num_groups + 1,
+                    max_useful_blocks=self.max_num_reqs * self.max_blocks_per_req * groups + 1,
                 )
                 num_blocks = min_over_processes(budget.num_blocks)  # every host holds the same blocks
-                self.memory_budget = dataclasses.replace(budget, num_blocks=num_blocks)
+                self.memory_budget = dataclasses.replace(budget, num_blocks=num_blocks, num_kv_cache_groups=groups)
             else:
                 utilization = self.cache_config.gpu_memory_utilization
-                self.memory_budget = MemoryBudget(num_blocks, self.block_size, bytes_per_block, utilization)
+                self.memory_budget = MemoryBudget(
+                    num_blocks, self.block_size, bytes_per_block, utilization, num_kv_cache_groups=groups
+                )
             self.num_blocks = self.compilation.num_blocks = num_blocks
             self.block_mover = CompiledBlockMover(self.compilation, num_blocks, self.kv_cache_sharding)
             self.kv_caches = allocate_kv_caches(self.kv_cache_spec, num_blocks, self.kv_cache_sharding)
