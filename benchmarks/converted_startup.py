@@ -21,11 +21,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.harness import SHAPES, device_facts, write_json
 
-ENGINE = dict(
-    max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256, token_buckets=[16, 256], request_buckets=[4]
+MAX_MODEL_LEN = 512
+ENGINE: dict[str, Any] = dict(
+    max_model_len=MAX_MODEL_LEN,
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    token_buckets=[16, 256],
+    request_buckets=[4],
 )
 """Small buckets: the starts compile little, and what they compile comes from the cache."""
 
@@ -47,7 +53,7 @@ def write_checkpoint(shape: str, path: Path) -> None:
         num_attention_heads=s.num_heads,
         num_key_value_heads=s.num_kv_heads,
         head_dim=s.head_dim,
-        max_position_embeddings=ENGINE["max_model_len"],
+        max_position_embeddings=MAX_MODEL_LEN,
         tie_word_embeddings=s.tie_word_embeddings,
     )
     torch.manual_seed(0)

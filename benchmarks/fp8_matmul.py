@@ -40,7 +40,7 @@ from benchmarks.harness import cupti_kernel_timings, device_facts, has_cupti, me
 from benchmarks.matmul_step import L2_BYTES, PROJECTIONS
 from jaxrunner.ops.fp8_matmul import fp8_matmul, quantize_weight
 
-CUBLAS = {"xla_gpu_enable_triton_gemm": False}
+CUBLAS: Any = {"xla_gpu_enable_triton_gemm": False}
 IMPLEMENTATIONS = ("w8a8", "weight_only", "bf16")
 
 
@@ -138,7 +138,7 @@ def main() -> None:
                         got = np.asarray(compiled(x, weights[0]), np.float32)
                         row["rel_error"] = float(np.linalg.norm(got - reference) / np.linalg.norm(reference))
                         if impl == "w8a8":
-                            row["fp8_gemm"] = uses_fp8_gemm(compiled.as_text(), n, k)
+                            row["fp8_gemm"] = uses_fp8_gemm(compiled.as_text() or "", n, k)
                         row.update(time_calls(compiled, x, weights, args.repeats))
                     except Exception as exc:  # an option this XLA lacks, say: keep the other variants
                         row["error"] = repr(exc)[:500]
