@@ -29,8 +29,8 @@ MAX_MODEL_LEN = 512
 ENGINE: dict[str, Any] = dict(
     max_model_len=MAX_MODEL_LEN,
     max_num_seqs=4,
-    max_num_batched_tokens=256,
-    token_buckets=[16, 256],
+    max_num_batched_tokens=32,
+    token_buckets=[32],
     request_buckets=[4],
 )
 """Small buckets: the starts compile little, and what they compile comes from the cache."""

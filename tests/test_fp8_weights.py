@@ -135,6 +135,8 @@ def test_checkpoint_runs_its_dequantized_weights_and_w8a8_stays_near_the_origina
         assert model.model.layers[2].mlp.down_proj.kernel[...].dtype == jnp.float32
     assert rel_err(_logits(model, config), dequantized) < 1e-4
 
+    if fmt == "on-load":
+        return  # its W8A8 is compressed-tensors-dynamic's case (the same quantization)
     monkeypatch.delenv(envs.FP8_MATMUL_ENV_VAR)
     model, config = load_model(path, quantization=quantization)
     w8a8 = _logits(model, config)
