@@ -42,20 +42,10 @@ def write_checkpoint(shape: str, path: Path) -> None:
     import torch
     import transformers
 
+    from benchmarks.hf_peer import build_config
     from jaxrunner.models.tokenizer import build_byte_tokenizer
 
-    s = SHAPES[shape]
-    config = transformers.LlamaConfig(
-        vocab_size=s.vocab_size,
-        hidden_size=s.hidden_size,
-        intermediate_size=s.intermediate_size,
-        num_hidden_layers=s.num_layers,
-        num_attention_heads=s.num_heads,
-        num_key_value_heads=s.num_kv_heads,
-        head_dim=s.head_dim,
-        max_position_embeddings=MAX_MODEL_LEN,
-        tie_word_embeddings=s.tie_word_embeddings,
-    )
+    config = build_config(shape)  # the peer benchmark's Llama config of the shape
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
