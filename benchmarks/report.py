@@ -3,7 +3,7 @@
 ``results/latest/`` holds the newest recorded run of each measurement and
 ``sources.json``, which says for each file what it measures (``decode:BxC``,
 ``attention``, ``attention_fp8``, ``prefill``, ``throughput``, ``host_share``,
-``bound:bf16``, ``bound:fp8``, ``lora``, ``images``, ``kv_offload``, ``moe_matmul``,
+``bound:bf16``, ``bound:fp8``, ``bound:fp8w``, ``fp8w:BxC``, ``lora``, ``images``, ``kv_offload``, ``moe_matmul``,
 ``gemma3-12b:BxC``, ...), where, when,
 on which commit and with which command. For each figure the table takes the
 last file in ``sources.json`` that measures it, and gives the figure as a
@@ -38,6 +38,7 @@ THROUGHPUT_WORKLOAD = "256x1000/1000"
 BOUND_WORKLOAD = "1000x1000/1000"
 LORA_CASES = [(1, 1024), (64, 1024)]
 IMAGES_WORKLOAD = "64 requests x one 1024x1024 image, 128 output tokens"
+FP8_WEIGHTS_DECODE_CASES = [(1, 1024), (64, 1024)]
 FAMILY_DECODE_CASES = [("gemma3-12b", "Gemma-3-12B", 1, 1024), ("gemma3-12b", "Gemma-3-12B", 64, 1024)]
 MOE_MATMUL_TOKENS = (1, 64)
 
@@ -170,7 +171,7 @@ def scheduling(data: dict) -> str:
 
 
 def fp8_over_bf16_figure(source: dict, bf16: dict | None) -> tuple[str, str]:
-    """An FP8-cache bench run's output rate over the bf16 cache's on the same workload."""
+    """An FP8 bench run's (cache, or weights and cache) output rate over the bf16 run's on the same workload."""
     data = source["data"]
     if bf16 is None:
         return "no bf16 run", f"{data['output_tokens_per_s']:,.0f} output tok/s"
@@ -258,6 +259,14 @@ def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
                 lambda s, b=batch, c=context: attention_prefill_figure(s, b, c),
             )
         )
+    for batch, context in FP8_WEIGHTS_DECODE_CASES:
+        wanted.append(
+            (
+                f"decode step with FP8 weights and KV cache / bandwidth floor, batch {batch} x {size(context)}",
+                f"fp8w:{batch}x{context}",
+                lambda s, b=batch, c=context: decode_figure(s, b, c),
+            )
+        )
     for batch, context in LORA_CASES:
         wanted.append(
             (
@@ -274,6 +283,11 @@ def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
         (
             f"offline throughput {BOUND_WORKLOAD}, FP8 cache: output tok/s / bf16 cache's",
             "bound:fp8",
+            lambda s: fp8_over_bf16_figure(s, newest(sources, "bound:bf16")),
+        ),
+        (
+            f"offline throughput {BOUND_WORKLOAD}, FP8 weights and cache: output tok/s / bf16's",
+            "bound:fp8w",
             lambda s: fp8_over_bf16_figure(s, newest(sources, "bound:bf16")),
         ),
         (
