@@ -26,7 +26,8 @@ cost of LoRA serving.
 
 With ``--shape qwen3-30b-a3b`` (mixture of experts) the floor counts the experts a batch of random
 tokens touches (``1 - (1 - top_k / experts) ** batch`` of each layer's, their expected share), and the
-roofline each token's ``top_k`` experts' FLOPs. With ``--shape gemma3-12b`` a sliding-window layer's
+roofline each token's ``top_k`` experts' FLOPs; ``$JAXRUNNER_MOE_IMPL`` picks the experts' products
+(``models/moe.py``), recorded as ``moe_impl``. With ``--shape gemma3-12b`` a sliding-window layer's
 floor counts only the window's keys and values.
 
 With ``--quantization fp8`` the weights are random FP8 (per-channel scales, the matmuls as each bucket
@@ -79,8 +80,10 @@ from benchmarks.harness import (
     time_decode,
     write_json,
 )
+from jaxrunner import envs
 from jaxrunner.config import CACHE_DTYPES, LoRAConfig
 from jaxrunner.models.loader import with_quantization
+from jaxrunner.models.moe import moe_impl
 from jaxrunner.runner.model_runner import ModelRunner
 
 # Kernel names of an all-reduce: NCCL's (ncclDevKernel_AllReduce_...) and XLA's own.
@@ -325,6 +328,7 @@ def main() -> None:
         shape=args.shape,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        moe_impl=moe_impl(envs.JAXRUNNER_MOE_IMPL),
         scheduler_steps=args.scheduler_steps,
         tensor_parallel_size=args.tensor_parallel_size,
         compiler_options={batch: runner.compilation.compiler_options(batch) for batch in args.batches},

@@ -10,9 +10,9 @@ layer's two products (gate/up, then down) with the routing applied:
   ``ragged_dot``);
 - ``per_expert_loop``: every expert multiplies every row, masked to its own:
   the dense product a static-shape loop over experts amounts to;
-- ``gathered``: each (token, expert) pair gathers its expert's matrices and
-  multiplies its one row (reads one matrix a pair: the floor while pairs are
-  fewer than experts);
+- ``gathered``: the model's ``gathered`` path: each (token, expert) pair
+  gathers its expert's matrices and multiplies its one row (reads one matrix a
+  pair: the floor while pairs are fewer than experts);
 - ``grouped_kernel``: the model's path with ``ops/grouped_matmul_mgpu``'s
   Mosaic GPU kernel (Hopper only: left out on other backends), which reads
   only the touched experts;
@@ -57,10 +57,7 @@ def per_expert_loop(x, weights, experts, gate_up, down):
 
 
 def gathered(x, weights, experts, gate_up, down):
-    """Each (token, expert) pair multiplies its row by its expert's gathered matrices."""
-    h = jnp.einsum("th,tkhsf->tksf", x, gate_up[experts])
-    y = jnp.einsum("tkf,tkfh->tkh", ACT(h[:, :, 0]) * h[:, :, 1], down[experts])
-    return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights).astype(x.dtype)
+    return experts_forward(x, weights, experts, gate_up, down, ACT, impl="gathered")
 
 
 def grouped(x, weights, experts, gate_up, down):

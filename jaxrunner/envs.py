@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     JAXRUNNER_ATTENTION_IMPL: str | None = None
     JAXRUNNER_FP8_MATMUL: str | None = None
+    JAXRUNNER_MOE_IMPL: str | None = None
     JAXRUNNER_ALLOW_LONG_MAX_MODEL_LEN: bool = False
     JAXRUNNER_MAX_N_SEQUENCES: int = 0
     JAXRUNNER_COMPILATION_CACHE_DIR: str | None = None
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 ATTENTION_IMPL_ENV_VAR = "JAXRUNNER_ATTENTION_IMPL"
 FP8_MATMUL_ENV_VAR = "JAXRUNNER_FP8_MATMUL"
+MOE_IMPL_ENV_VAR = "JAXRUNNER_MOE_IMPL"
 ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR = "JAXRUNNER_ALLOW_LONG_MAX_MODEL_LEN"
 MAX_N_SEQUENCES_ENV_VAR = "JAXRUNNER_MAX_N_SEQUENCES"
 DEFAULT_MAX_N_SEQUENCES = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
@@ -44,6 +46,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Forces the matmul of FP8 weights, "w8a8" or "weight_only" (ops/fp8_matmul.py), for every bucket of
     # the models loaded after it is set; unset, each bucket runs the one chosen for its size.
     FP8_MATMUL_ENV_VAR: lambda: os.environ.get(FP8_MATMUL_ENV_VAR) or None,
+    # Forces the experts' products of mixture-of-experts layers, "reference", "mgpu" or "gathered"
+    # (models/moe.py), for the models built after it is set; unset, XLA's ragged_dot.
+    MOE_IMPL_ENV_VAR: lambda: os.environ.get(MOE_IMPL_ENV_VAR) or None,
     # "1" lets max_model_len exceed the model's positions (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): outputs past
     # the positions the model was trained on may be wrong.
     ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR: lambda: os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR, "0") == "1",

@@ -4,8 +4,13 @@ A sparse layer's ``mlp`` routes each token to ``top_k`` of ``num_experts`` gated
 MLPs and sums their outputs weighted by the router. The router's softmax runs over
 every expert in float32; the ``top_k`` largest probabilities are kept, renormalised
 to sum to one where the family does (Mixtral always, Qwen3-MoE with
-``norm_topk_prob``). The (token, expert) pairs are sorted by expert so that each
-expert multiplies only its own rows (``ops/grouped_matmul.py``).
+``norm_topk_prob``). The experts' products (:data:`IMPLS`): the (token, expert)
+pairs sorted by expert so that each expert multiplies only its own rows
+(``ops/grouped_matmul.py``: XLA's ``ragged_dot``, or the Mosaic GPU kernel), or each
+pair gathering its expert's matrices (one matrix read a pair: the cheapest while
+pairs are few). ``$JAXRUNNER_MOE_IMPL`` forces one; unset, ``ragged_dot`` until the
+decode step has measured the others (``benchmarks/decode_step.py --shape
+qwen3-30b-a3b``).
 
 Checkpoints store one tensor per expert and projection (Mixtral's ``w1``/``w3``/
 ``w2`` under ``block_sparse_moe``, Qwen3-MoE's ``gate_proj``/``up_proj``/
@@ -23,8 +28,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jaxrunner import envs
 from jaxrunner.models.layers import ACTIVATIONS
 from jaxrunner.ops.grouped_matmul import grouped_matmul
+
+IMPLS = ("reference", "mgpu", "gathered")
+"""How the experts multiply: sorted and grouped by ``ragged_dot`` (``reference``) or the Mosaic GPU kernel
+(``mgpu``, Hopper, one device), or each (token, expert) pair by its gathered matrices (``gathered``)."""
 
 MODEL_TYPES = ("mixtral", "qwen3_moe")
 """HF ``model_type`` of the mixture-of-experts configs read here."""
@@ -112,6 +122,7 @@ class SparseMoeBlock(nnx.Module):
         )
         self.experts = Experts(hidden_size, config, param_dtype=param_dtype, rngs=rngs)
         self.top_k, self.renormalize = config.top_k, config.renormalize
+        self.impl = moe_impl(envs.JAXRUNNER_MOE_IMPL)
         self.act: Callable[[jax.Array], jax.Array] = ACTIVATIONS[hidden_act]
         self.dtype = dtype
 
@@ -128,7 +139,17 @@ class SparseMoeBlock(nnx.Module):
             self.experts.gate_up_proj[...].astype(self.dtype),
             self.experts.down_proj[...].astype(self.dtype),
             self.act,
+            self.impl,
         )
+
+
+def moe_impl(forced: str | None) -> str:
+    """The experts' products a model runs: ``forced`` (``$JAXRUNNER_MOE_IMPL``) if given, else ``"reference"``."""
+    if forced is None:
+        return "reference"
+    if forced not in IMPLS:
+        raise ValueError(f"MoE impl {forced!r} (${envs.MOE_IMPL_ENV_VAR}) is not one of {', '.join(IMPLS)}")
+    return forced
 
 
 def route(
@@ -154,18 +175,25 @@ def experts_forward(
 ) -> Float[Array, "num_tokens hidden_size"]:
     """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])``, each expert running only its own rows.
 
-    The ``num_tokens * top_k`` (token, expert) pairs are sorted by expert (stable),
-    counted per expert, run through the two grouped matmuls (``impl``: ``ops/grouped_matmul.py``'s),
-    then put back in order and summed in float32.
+    ``impl`` (one of :data:`IMPLS`): ``"gathered"`` multiplies each (token, expert) pair's row by its
+    expert's gathered matrices; the others sort the ``num_tokens * top_k`` pairs by expert (stable), count
+    them per expert, run the two grouped matmuls (``ops/grouped_matmul.py``), then put them back in order.
+    Either way the pairs are summed in float32.
     """
     num_tokens, top_k = experts.shape
     num_experts, hidden, _, features = gate_up.shape
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    rows = x[order // top_k]
-    gate_and_up = grouped_matmul(rows, gate_up.reshape(num_experts, hidden, 2 * features), group_sizes, impl=impl)
-    hidden_rows = act(gate_and_up[:, :features]) * gate_and_up[:, features:]
-    out_sorted = grouped_matmul(hidden_rows, down, group_sizes, impl=impl)
-    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, top_k, hidden)
+    if impl == "gathered":
+        h = jnp.einsum("th,tkhsf->tksf", x, gate_up[experts], preferred_element_type=jnp.float32).astype(x.dtype)
+        out = jnp.einsum(
+            "tkf,tkfh->tkh", act(h[:, :, 0]) * h[:, :, 1], down[experts], preferred_element_type=jnp.float32
+        )
+    else:
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+        rows = x[order // top_k]
+        gate_and_up = grouped_matmul(rows, gate_up.reshape(num_experts, hidden, 2 * features), group_sizes, impl=impl)
+        hidden_rows = act(gate_and_up[:, :features]) * gate_and_up[:, features:]
+        out_sorted = grouped_matmul(hidden_rows, down, group_sizes, impl=impl)
+        out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(num_tokens, top_k, hidden)
     return jnp.einsum("tkh,tk->th", out.astype(jnp.float32), weights).astype(x.dtype)

@@ -44,7 +44,8 @@ def test_route_keeps_the_top_k_of_the_softmax_over_every_expert():
     np.testing.assert_allclose(np.asarray(renormalized).sum(-1), 1.0, rtol=1e-6)
 
 
-def test_experts_equal_a_dense_loop_over_each_tokens_experts():
+@pytest.mark.parametrize("impl", ["reference", "gathered"])
+def test_experts_equal_a_dense_loop_over_each_tokens_experts(impl):
     """Every token through each of its top-k experts, one at a time, weighted and summed."""
     tokens, hidden, features, num_experts, top_k = 13, 16, 24, 5, 2
     rng = np.random.default_rng(1)
@@ -53,8 +54,8 @@ def test_experts_equal_a_dense_loop_over_each_tokens_experts():
     down = rng.standard_normal((num_experts, features, hidden), np.float32) * 0.3
     weights, experts = route(jnp.asarray(rng.standard_normal((tokens, num_experts), np.float32)), top_k, True)
     act = ACTIVATIONS["silu"]
-    got = jax.jit(experts_forward, static_argnums=5)(
-        jnp.asarray(x), weights, experts, jnp.asarray(gate_up), jnp.asarray(down), act
+    got = jax.jit(experts_forward, static_argnums=(5, 6))(
+        jnp.asarray(x), weights, experts, jnp.asarray(gate_up), jnp.asarray(down), act, impl
     )
     want = np.zeros_like(x)
     for t in range(tokens):
@@ -112,3 +113,27 @@ def test_lora_on_a_mixture_of_experts_model_is_refused(tmp_path, cache_dir):
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(NotImplementedError, match="mixture-of-experts"):
         LLM(str(tmp_path), enable_lora=True, num_gpu_blocks_override=16, compilation_cache_dir=cache_dir)
+
+
+def test_a_forced_moe_impl_reaches_every_sparse_layer_with_the_same_logits(tmp_path, monkeypatch):
+    """``$JAXRUNNER_MOE_IMPL=gathered`` runs every sparse layer's experts by gathered matrices: the logits
+    equal the sorted ``ragged_dot`` path's; a name that is no impl is refused, naming the variable."""
+    save_tiny_hf_model("qwen3_moe", tmp_path, seed=2)
+    lens = [9, 14]
+    prompts = random_prompts(1031, lens, seed=4)
+    metadata, positions = packed_metadata(lens, block_size=4, num_blocks=24, num_tokens=24, num_reqs=2)
+    logits = []
+    for impl in (None, "gathered"):
+        if impl:
+            monkeypatch.setenv("JAXRUNNER_MOE_IMPL", impl)
+        model, config = load_model(tmp_path)
+        assert config.moe is not None
+        impls = {model.model.layers[i].mlp.impl for i in config.moe.sparse_layers}
+        assert impls == {impl or "reference"}
+        caches = random_caches(config, jnp.float32, 1)
+        out, _ = jitted_step(model)(pack(prompts, 24), jnp.asarray(positions), caches, metadata)
+        logits.append(np.asarray(out)[: sum(lens)])
+    assert rel_err(logits[1], logits[0]) < 1e-5
+    monkeypatch.setenv("JAXRUNNER_MOE_IMPL", "dense")
+    with pytest.raises(ValueError, match="JAXRUNNER_MOE_IMPL"):
+        load_model(tmp_path)
