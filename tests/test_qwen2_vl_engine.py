@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 import transformers
+from runner_driver import tiny_llm
 from vl_models import IMAGE_PROMPT, hf_greedy, random_image, save_tiny_vl_checkpoint
 
 from jaxrunner import LLM, SamplingParams
@@ -159,8 +160,8 @@ def test_bad_images_are_refused_alone(checkpoint, tmp_path):
     engine_state_is_clean(llm)
 
 
-def test_a_text_model_refuses_images_for_that_prompt_alone():
-    llm = LLM("tiny-llama", max_model_len=64, max_num_seqs=2)
+def test_a_text_model_refuses_images_for_that_prompt_alone(cache_dir):
+    llm = tiny_llm(cache_dir, max_model_len=64, max_num_seqs=2, token_buckets=[8, 64], request_buckets=[2])
     outputs = llm.generate(
         ["plain text", {"prompt": "look", "multi_modal_data": {"image": random_image(8, 8, 0)}}],
         SamplingParams(max_tokens=3),
