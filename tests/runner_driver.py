@@ -88,7 +88,7 @@ def tiny_llm(cache_dir: str, model: str = "tiny-llama", /, **overrides: Any) -> 
         max_num_seqs=4,
         max_num_batched_tokens=64,
         num_gpu_blocks_override=200,
-        token_buckets=[8, 16, 32, 64],
+        token_buckets=[8, 64],
         request_buckets=[2, 4],
         compilation_cache_dir=cache_dir,
     )
