@@ -106,7 +106,7 @@ def test_runner_refuses_what_it_cannot_do_yet_and_keeps_its_state(fields, missin
 
 
 def test_llm_without_lora_refuses_a_lora_request_before_adding_any_prompt(cache_dir):
-    llm = tiny_llm(cache_dir, max_model_len=64, max_num_seqs=2, token_buckets=[8, 64], request_buckets=[2])
+    llm = tiny_llm(cache_dir, max_model_len=64, max_num_seqs=2, request_buckets=[2])
     with pytest.raises(ValueError, match="LoRA is off in this LLM: make it with LLM\\(..., enable_lora=True\\)"):
         llm.generate(["a", "b"], lora_request=[None, LoRARequest("sql", 1, "/adapters/sql")], use_tqdm=False)
     assert not llm.replicas.has_unfinished_requests()
@@ -119,7 +119,7 @@ def test_max_model_len_beyond_the_models_positions_needs_the_users_word(monkeypa
     with pytest.raises(ValueError, match=rf"max_model_len {positions + 1} is more than the model's {positions}"):
         LLM("tiny-llama", max_model_len=positions + 1, max_num_seqs=2)
     monkeypatch.setenv(ALLOW_LONG_MAX_MODEL_LEN_ENV_VAR, "1")
-    llm = tiny_llm(cache_dir, max_model_len=positions + 1, max_num_seqs=2, token_buckets=[8, 64], request_buckets=[2])
+    llm = tiny_llm(cache_dir, max_model_len=positions + 1, max_num_seqs=2, request_buckets=[2])
     assert llm.llm_engine.max_model_len == positions + 1
 
 

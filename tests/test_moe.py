@@ -1,6 +1,8 @@
 """Mixture-of-experts: the grouped matmul and the experts against dense loops, the router's semantics,
 stacked experts read back from per-expert tensors, and the experts split under tensor parallelism."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,22 +90,29 @@ def test_hf_tensors_give_back_per_expert_and_fused_checkpoints(arch, tmp_path):
         np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
 
 
-def test_experts_split_over_tensor_parallel_devices_give_the_same_logits(tmp_path):
-    """Each device holds its slice of every expert's features; the logits equal one device's."""
-    save_tiny_hf_model("qwen3_moe", tmp_path, seed=2)
+def _step_logits(checkpoint, mesh=None) -> tuple[np.ndarray, Any, Any]:
+    """One packed prefill step of two prompts through the checkpoint's model: its logits, the model, its config."""
     lens = [9, 14]
     prompts = random_prompts(1031, lens, seed=4)
     metadata, positions = packed_metadata(lens, block_size=4, num_blocks=24, num_tokens=24, num_reqs=2)
+    model, config = load_model(checkpoint, mesh=mesh)
+    caches = random_caches(config, jnp.float32, 1)
+    if mesh is not None:
+        caches = jax.device_put(caches, kv_cache_sharding(mesh))
+    out, _ = jitted_step(model)(pack(prompts, 24), jnp.asarray(positions), caches, metadata)
+    return np.asarray(out)[: sum(lens)], model, config
+
+
+def test_experts_split_over_tensor_parallel_devices_give_the_same_logits(tmp_path):
+    """Each device holds its slice of every expert's features; the logits equal one device's."""
+    save_tiny_hf_model("qwen3_moe", tmp_path, seed=2)
     logits = []
     for tp in (1, 2):
-        mesh = tp_mesh(tp)
-        model, config = load_model(tmp_path, mesh=mesh)
+        out, model, config = _step_logits(tmp_path, tp_mesh(tp))
         assert config.moe is not None
         experts = model.model.layers[0].mlp.experts.gate_up_proj
         assert experts[...].sharding.shard_shape(experts[...].shape)[-1] == config.moe.intermediate_size // tp
-        caches = jax.device_put(random_caches(config, jnp.float32, 1), kv_cache_sharding(mesh))
-        out, _ = jitted_step(model)(pack(prompts, 24), jnp.asarray(positions), caches, metadata)
-        logits.append(np.asarray(out)[: sum(lens)])
+        logits.append(out)
     assert rel_err(logits[1], logits[0]) < 1e-5
 
 
@@ -119,20 +128,15 @@ def test_a_forced_moe_impl_reaches_every_sparse_layer_with_the_same_logits(tmp_p
     """``$JAXRUNNER_MOE_IMPL=gathered`` runs every sparse layer's experts by gathered matrices: the logits
     equal the sorted ``ragged_dot`` path's; a name that is no impl is refused, naming the variable."""
     save_tiny_hf_model("qwen3_moe", tmp_path, seed=2)
-    lens = [9, 14]
-    prompts = random_prompts(1031, lens, seed=4)
-    metadata, positions = packed_metadata(lens, block_size=4, num_blocks=24, num_tokens=24, num_reqs=2)
     logits = []
     for impl in (None, "gathered"):
         if impl:
             monkeypatch.setenv("JAXRUNNER_MOE_IMPL", impl)
-        model, config = load_model(tmp_path)
+        out, model, config = _step_logits(tmp_path)
         assert config.moe is not None
         impls = {model.model.layers[i].mlp.impl for i in config.moe.sparse_layers}
         assert impls == {impl or "reference"}
-        caches = random_caches(config, jnp.float32, 1)
-        out, _ = jitted_step(model)(pack(prompts, 24), jnp.asarray(positions), caches, metadata)
-        logits.append(np.asarray(out)[: sum(lens)])
+        logits.append(out)
     assert rel_err(logits[1], logits[0]) < 1e-5
     monkeypatch.setenv("JAXRUNNER_MOE_IMPL", "dense")
     with pytest.raises(ValueError, match="JAXRUNNER_MOE_IMPL"):

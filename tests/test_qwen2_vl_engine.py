@@ -161,7 +161,7 @@ def test_bad_images_are_refused_alone(checkpoint, tmp_path):
 
 
 def test_a_text_model_refuses_images_for_that_prompt_alone(cache_dir):
-    llm = tiny_llm(cache_dir, max_model_len=64, max_num_seqs=2, token_buckets=[8, 64], request_buckets=[2])
+    llm = tiny_llm(cache_dir, max_model_len=64, max_num_seqs=2, request_buckets=[2])
     outputs = llm.generate(
         ["plain text", {"prompt": "look", "multi_modal_data": {"image": random_image(8, 8, 0)}}],
         SamplingParams(max_tokens=3),
