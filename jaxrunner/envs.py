@@ -47,7 +47,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # the models loaded after it is set; unset, each bucket runs the one chosen for its size.
     FP8_MATMUL_ENV_VAR: lambda: os.environ.get(FP8_MATMUL_ENV_VAR) or None,
     # Forces the experts' products of mixture-of-experts layers, "reference", "mgpu" or "gathered"
-    # (models/moe.py), for the models built after it is set; unset, XLA's ragged_dot.
+    # (models/moe.py), for the models built after it is set; unset, each program picks by its token count.
     MOE_IMPL_ENV_VAR: lambda: os.environ.get(MOE_IMPL_ENV_VAR) or None,
     # "1" lets max_model_len exceed the model's positions (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): outputs past
     # the positions the model was trained on may be wrong.

@@ -8,9 +8,9 @@ to sum to one where the family does (Mixtral always, Qwen3-MoE with
 pairs sorted by expert so that each expert multiplies only its own rows
 (``ops/grouped_matmul.py``: XLA's ``ragged_dot``, or the Mosaic GPU kernel), or each
 pair gathering its expert's matrices (one matrix read a pair: the cheapest while
-pairs are few). ``$JAXRUNNER_MOE_IMPL`` forces one; unset, ``ragged_dot`` until the
-decode step has measured the others (``benchmarks/decode_step.py --shape
-qwen3-30b-a3b``).
+pairs are few). ``$JAXRUNNER_MOE_IMPL`` forces one; unset (``auto``), each program
+picks by its static token count (:func:`pick_impl`): gathered matrices while the
+pairs are few against the experts, ``ragged_dot`` beyond.
 
 Checkpoints store one tensor per expert and projection (Mixtral's ``w1``/``w3``/
 ``w2`` under ``block_sparse_moe``, Qwen3-MoE's ``gate_proj``/``up_proj``/
@@ -35,6 +35,15 @@ from jaxrunner.ops.grouped_matmul import grouped_matmul
 IMPLS = ("reference", "mgpu", "gathered")
 """How the experts multiply: sorted and grouped by ``ragged_dot`` (``reference``) or the Mosaic GPU kernel
 (``mgpu``, Hopper, one device), or each (token, expert) pair by its gathered matrices (``gathered``)."""
+
+AUTO = "auto"
+"""The unforced choice: :func:`pick_impl` per program."""
+
+GATHERED_PAIRS_PER_EXPERT = 0.25
+"""``auto`` gathers while a program's (token, expert) pairs are at most this share of the experts: a gathered
+pair reads its own matrices, a grouped product every touched expert's once plus the sort; at one Qwen3-30B-A3B
+decode token (8 pairs of 128 experts) gathering measured 3.7x faster than ``ragged_dot``, at 64 tokens
+(512 pairs) 3.6x slower (``benchmarks/moe_matmul.py``)."""
 
 MODEL_TYPES = ("mixtral", "qwen3_moe")
 """HF ``model_type`` of the mixture-of-experts configs read here."""
@@ -123,6 +132,7 @@ class SparseMoeBlock(nnx.Module):
         self.experts = Experts(hidden_size, config, param_dtype=param_dtype, rngs=rngs)
         self.top_k, self.renormalize = config.top_k, config.renormalize
         self.impl = moe_impl(envs.JAXRUNNER_MOE_IMPL)
+        self.num_experts = config.num_experts
         self.act: Callable[[jax.Array], jax.Array] = ACTIVATIONS[hidden_act]
         self.dtype = dtype
 
@@ -139,17 +149,25 @@ class SparseMoeBlock(nnx.Module):
             self.experts.gate_up_proj[...].astype(self.dtype),
             self.experts.down_proj[...].astype(self.dtype),
             self.act,
-            self.impl,
+            pick_impl(self.impl, x.shape[0] * self.top_k, self.num_experts),
         )
 
 
 def moe_impl(forced: str | None) -> str:
-    """The experts' products a model runs: ``forced`` (``$JAXRUNNER_MOE_IMPL``) if given, else ``"reference"``."""
+    """The experts' products a model runs: ``forced`` (``$JAXRUNNER_MOE_IMPL``) if given, else :data:`AUTO`."""
     if forced is None:
-        return "reference"
+        return AUTO
     if forced not in IMPLS:
         raise ValueError(f"MoE impl {forced!r} (${envs.MOE_IMPL_ENV_VAR}) is not one of {', '.join(IMPLS)}")
     return forced
+
+
+def pick_impl(impl: str, num_pairs: int, num_experts: int) -> str:
+    """``impl`` unless it is :data:`AUTO`; then ``"gathered"`` for at most :data:`GATHERED_PAIRS_PER_EXPERT`
+    (token, expert) pairs an expert, else ``"reference"``."""
+    if impl != AUTO:
+        return impl
+    return "gathered" if num_pairs <= GATHERED_PAIRS_PER_EXPERT * num_experts else "reference"
 
 
 def route(

@@ -301,6 +301,19 @@ GPU_CASES = {
     "window-cap": Case(reqs=MIXED + LONG, sliding_window=33, soft_cap=30.0, dtype=jnp.bfloat16, **LLAMA),
     "head-dim-64": Case(reqs=MIXED, dtype=jnp.bfloat16, num_q_heads=16, num_kv_heads=2, head_dim=64),
     "head-dim-256": Case(reqs=MIXED, dtype=jnp.bfloat16, num_q_heads=8, num_kv_heads=4, head_dim=256),
+    # The heads of the served families' benchmark shapes: Gemma-3-12B's sliding-window layers over short
+    # prefills (a profile run's step) and a long request, Qwen3-30B-A3B's eight query heads a KV head.
+    "gemma3-window": Case(
+        reqs=((0, 32),) * 64 + ((3000, 8),),
+        sliding_window=1024,
+        dtype=jnp.bfloat16,
+        num_q_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+    ),
+    "qwen3-moe-decode-64x1k": Case(
+        reqs=((1023, 1),) * 64, dtype=jnp.bfloat16, num_q_heads=32, num_kv_heads=4, head_dim=128
+    ),
 }
 
 

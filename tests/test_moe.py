@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hf_models import save_tiny_hf_model
 from packed_batch import packed_metadata
 from safetensors.numpy import load_file
@@ -17,7 +18,7 @@ from jaxrunner.engine.llm import LLM
 from jaxrunner.models import load_model
 from jaxrunner.models.layers import ACTIVATIONS
 from jaxrunner.models.loader import hf_tensors
-from jaxrunner.models.moe import experts_forward, route
+from jaxrunner.models.moe import AUTO, MoEConfig, SparseMoeBlock, experts_forward, route
 from jaxrunner.models.tokenizer import build_byte_tokenizer
 from jaxrunner.ops.grouped_matmul import grouped_matmul
 from jaxrunner.sharding import kv_cache_sharding
@@ -116,6 +117,21 @@ def test_experts_split_over_tensor_parallel_devices_give_the_same_logits(tmp_pat
     assert rel_err(logits[1], logits[0]) < 1e-5
 
 
+@pytest.mark.parametrize("tokens, grouped", [(2, False), (3, True)])
+def test_auto_gathers_while_pairs_are_few_and_groups_beyond(tokens, grouped):
+    """Unforced, a program of at most a quarter as many (token, expert) pairs as experts gathers each pair's
+    matrices (no ``ragged_dot`` in its program), a larger one sorts and groups; both equal the grouped path."""
+    config = MoEConfig(num_experts=16, top_k=2, intermediate_size=24, renormalize=True, sparse_layers=(0,))
+    block = SparseMoeBlock(16, config, "silu", dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert block.impl == AUTO
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((tokens, 16), np.float32))
+    program = str(jax.make_jaxpr(lambda x: block(x))(x))
+    assert ("ragged_dot" in program) == grouped
+    auto = np.asarray(block(x))
+    block.impl = "reference"
+    np.testing.assert_allclose(auto, np.asarray(block(x)), rtol=1e-5, atol=1e-6)
+
+
 def test_lora_on_a_mixture_of_experts_model_is_refused(tmp_path, cache_dir):
     tokenizer = build_byte_tokenizer()
     save_tiny_hf_model("qwen3_moe", tmp_path, vocab_size=len(tokenizer))
@@ -135,7 +151,7 @@ def test_a_forced_moe_impl_reaches_every_sparse_layer_with_the_same_logits(tmp_p
         out, model, config = _step_logits(tmp_path)
         assert config.moe is not None
         impls = {model.model.layers[i].mlp.impl for i in config.moe.sparse_layers}
-        assert impls == {impl or "reference"}
+        assert impls == {impl or AUTO}
         logits.append(out)
     assert rel_err(logits[1], logits[0]) < 1e-5
     monkeypatch.setenv("JAXRUNNER_MOE_IMPL", "dense")
