@@ -54,13 +54,18 @@ def call_for(impl: str):
 
 def reads_fp8_weight(hlo: str, out_features: int, in_features: int) -> bool:
     """Whether the optimized program's product takes the FP8 weight itself as an operand (an FP8 GEMM, or at
-    a few rows a fused FP8 matrix-vector product) and holds no wider copy of the weight."""
+    a few rows a fused FP8 matrix-vector product), directly or through bitcasts (free views: XLA splits K into
+    a batch that way), and holds no wider copy of the weight."""
     if re.search(rf"(bf16|f16|f32)\[{out_features},{in_features}\]", hlo):
         return False
     weight = re.search(rf"(%\S+) = f8e4m3fn\[{out_features},{in_features}\]\S* parameter", hlo)
     if weight is None:
         return False
-    return re.search(rf"(custom-call|dot|fusion)\([^)\n]*{re.escape(weight.group(1))}[,)]", hlo) is not None
+    views = [weight.group(1)]
+    for name in views:  # grows while bitcasts of a view are found
+        views += re.findall(rf"(%\S+) = f8e4m3fn\[[\d,]*\]\S* bitcast\({re.escape(name)}\)", hlo)
+    names = "|".join(map(re.escape, views))
+    return re.search(rf"(custom-call|dot|fusion)\([^)\n]*({names})[,)]", hlo) is not None
 
 
 def time_calls(compiled, x, weights, repeats: int) -> dict[str, Any]:

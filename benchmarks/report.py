@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from jaxrunner.ops.fp8_matmul import fp8_matmul_impl
+
 HERE = Path(__file__).resolve().parent
 LATEST = HERE / "results" / "latest"
 README = HERE / "README.md"
@@ -39,8 +41,13 @@ BOUND_WORKLOAD = "1000x1000/1000"
 LORA_CASES = [(1, 1024), (64, 1024)]
 IMAGES_WORKLOAD = "64 requests x one 1024x1024 image, 128 output tokens"
 FP8_WEIGHTS_DECODE_CASES = [(1, 1024), (64, 1024)]
-FAMILY_DECODE_CASES = [("gemma3-12b", "Gemma-3-12B", 1, 1024), ("gemma3-12b", "Gemma-3-12B", 64, 1024)]
+FAMILY_DECODE_CASES = [
+    (shape, name, batch, 1024)
+    for shape, name in (("gemma3-12b", "Gemma-3-12B"), ("qwen3-30b-a3b", "Qwen3-30B-A3B (MoE)"))
+    for batch in (1, 64)
+]
 MOE_MATMUL_TOKENS = (1, 64)
+FP8_MATMUL_ROWS = (1, 64, 8192)
 
 
 def load_sources(latest: Path = LATEST) -> list[dict]:
@@ -85,6 +92,19 @@ def moe_matmul_figure(source: dict, tokens: int) -> tuple[str, str]:
         f"{row['grouped_ratio']:.2f}x",
         f"{row['grouped_ms']:.3f} ms, floor {row['floor_ms']:.3f} ms ({row['experts_touched']} experts); "
         + ", ".join(measured),
+    )
+
+
+def fp8_matmul_figure(source: dict, rows: int) -> tuple[str, str]:
+    """The 8B's q/k/v projection with FP8 weights at ``rows``: the product its bucket runs
+    (``ops/fp8_matmul.py``) over the slower of its copy and matmul floors, beside the other and bf16."""
+    impl = fp8_matmul_impl(rows, "dynamic")
+    cells = {r["variant"]: r for r in source["data"]["rows"] if r["projection"] == "qkv" and r["rows"] == rows}
+    chosen = cells[impl]
+    others = ", ".join(f"{v} {cells[v]['kernel_s'] * 1e6:.1f} us" for v in ("w8a8", "weight_only", "bf16") if v != impl)
+    return (
+        f"{chosen['over_floor']:.2f}x",
+        f"{impl} {chosen['kernel_s'] * 1e6:.1f} us, floor {chosen['floor_s'] * 1e6:.1f} us; {others}",
     )
 
 
@@ -309,6 +329,14 @@ def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
                 f"{name} shape decode step / bandwidth floor, batch {batch} x {size(context)}",
                 f"{shape}:{batch}x{context}",
                 lambda s, b=batch, c=context: decode_figure(s, b, c),
+            )
+        )
+    for rows in FP8_MATMUL_ROWS:
+        wanted.append(
+            (
+                f"Llama-3-8B q/k/v projection with FP8 weights, {rows} row{'s' if rows > 1 else ''}: time / floor",
+                "fp8_matmul",
+                lambda s, r=rows: fp8_matmul_figure(s, r),
             )
         )
     for tokens in MOE_MATMUL_TOKENS:

@@ -35,10 +35,10 @@ FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 """The smallest scale computed (vLLM's ``min_scaling_factor``): an all-zero row or weight divides by this."""
 
-WEIGHT_ONLY_MAX_TOKENS = 0
+WEIGHT_ONLY_MAX_TOKENS = 64
 """Token buckets up to this size run ``"weight_only"``, larger ones ``"w8a8"``, where the checkpoint quantizes
-activations (``benchmarks/decisions/fp8_weights.md``: the GPU measurement that sets it is pending, and until
-then every bucket runs W8A8, as vLLM does)."""
+activations: at 1 and 64 rows the weight-only product is the faster of the two on the 8B's projections (no
+per-token quantization of the input), at 8192 rows W8A8's FP8 GEMM is (``benchmarks/decisions/fp8_weights.md``)."""
 
 
 def quantize(
