@@ -322,7 +322,7 @@ _SPLIT_K = "  %bitcast.2 = f8e4m3fn[6144,4,1024]{2,1,0} bitcast(%weight.1)\n"
         (_WEIGHT + _SPLIT_K + "  %g = (f32[4,64,6144]{2,1,0}) custom-call(%bitcast.1.0, %bitcast.2, %c, %c)", True),
         (_WEIGHT + "  %f = bf16[1,6144]{1,0} fusion(%x.1, %weight.1, %s), kind=kCustom", True),
         # A bf16 copy of the weight feeding the product; the product on another operand than the weight.
-        (_WEIGHT + "  %w = bf16[6144,4096]{1,0} convert(%weight.1)\n  %g = (f32[64,6144]) custom-call(%x.2, %w)", False),
+        (_WEIGHT + "  %w = bf16[6144,4096]{1,0} convert(%weight.1)\n  %g = (f32[64,6144]) custom-call(%x, %w)", False),
         (_WEIGHT + _SPLIT_K + "  %g = (f32[4,64,6144]{2,1,0}) custom-call(%bitcast.1.0, %bitcast.20)", False),
     ],
     ids=["gemm", "split-k-bitcast", "fused-gemv", "bf16-copy", "other-operand"],
