@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import numpy as np
@@ -41,7 +42,7 @@ def turns(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     return [doc + rng.integers(3, vocab, args.question_len).tolist() for _ in range(args.rounds) for doc in documents]
 
 
-def run(args: argparse.Namespace, prompts: list[list[int]], connector: dict | None) -> dict:
+def run(args: argparse.Namespace, prompts: list[list[int]], connector: dict | None, cache_dir: str) -> dict:
     llm = LLM(
         args.model,
         max_model_len=args.doc_len + args.question_len + args.output_len,
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace, prompts: list[list[int]], connector: dict | No
         request_buckets=[4],
         num_gpu_blocks_override=args.gpu_blocks,
         kv_transfer_config=connector,
+        compilation_cache_dir=cache_dir,  # shared: the later engines load the step programs the first compiled
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompts[0][:8]}, params, use_tqdm=False)  # warm-up
@@ -95,11 +97,12 @@ def main() -> None:
 
     prompts = turns(args, BUILTIN_MODELS[args.model].vocab_size if args.model in BUILTIN_MODELS else 32000)
     offload = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": args.cpu_blocks}}
-    runs = {
-        "none": run(args, prompts, None),
-        "offloading": run(args, prompts, offload),
-        "noop": run(args, prompts, {"kv_connector": "NoOpConnector"}),
-    }
+    with tempfile.TemporaryDirectory() as cache_dir:
+        runs = {
+            "none": run(args, prompts, None, cache_dir),
+            "offloading": run(args, prompts, offload, cache_dir),
+            "noop": run(args, prompts, {"kv_connector": "NoOpConnector"}, cache_dir),
+        }
     same = all(r["outputs"] == runs["none"]["outputs"] for r in runs.values())
     result = dict(
         **device_facts(),

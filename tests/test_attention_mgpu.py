@@ -82,8 +82,15 @@ def _kernel_vs_reference(
             KernelConfig(2, 3, 1, 3, num_programs=2),
             1e-2,
         ),
+        # A sliding window over a bucket with many more tiles than rows (a padded step): the empty tiles
+        # far past the last row must span no stages (they once made the compute warpgroup wait forever).
+        (
+            Case(reqs=((0, 20), (40, 3)), sliding_window=8, pad_tokens=300, dtype=jnp.bfloat16, **SMALL),
+            KernelConfig(4, 2, 1, 1, accumulate_in_place=True),
+            1e-2,
+        ),
     ],
-    ids=["f32-mixed", "f32-odd-2wg", "bf16-split-window-cap"],
+    ids=["f32-mixed", "f32-odd-2wg", "bf16-split-window-cap", "bf16-window-empty-tiles"],
 )
 # No ping-pong case: one CI run of it under the Mosaic GPU interpreter hung (it passes elsewhere). The GPU tests
 # run it through the table's prefill configs, and the CUDA lowering test below covers it.
@@ -142,6 +149,22 @@ def test_tile_schedule_covers_every_row_once():
         covered.extend(range(q_row, q_row + num_rows))
     assert covered == list(range(qsl[len(case.reqs)] * group))
     assert next_granule <= num_granules_bound(num_tokens, len(case.reqs) + case.pad_reqs, group, tile_rows)
+
+
+def test_tiles_without_rows_span_no_keys_under_a_sliding_window():
+    """Empty tiles (a bucket padded past its requests) start and end at key 0, however far past the last
+    row they fall; tiles with rows start ``sliding_window - 1`` keys before their first row."""
+    case = Case(reqs=((0, 20), (40, 3)), sliding_window=8, pad_tokens=300, **SMALL)
+    _, _, _, metadata = _make_inputs(case, seed=1)
+    group, tile_rows, window = 2, 64, 8
+    num_tiles = num_tiles_bound(20 + 3 + case.pad_tokens, len(case.reqs) + case.pad_reqs, group, tile_rows)
+    fields = np.asarray(tile_schedule(metadata, group, tile_rows, num_tiles, sliding_window=window).fields)
+    _, _, num_rows, row_offset, q_pos0, kv_start, kv_end, _ = fields.T
+    empty = num_rows == 0
+    assert empty.sum() > 4  # far enough past the last row for a window to start beyond key 0
+    assert not kv_start[empty].any() and not kv_end[empty].any()
+    first_pos = q_pos0 + row_offset // group
+    np.testing.assert_array_equal(kv_start[~empty], np.maximum(first_pos[~empty] - window + 1, 0))
 
 
 def test_kernel_is_lowered_once_per_shape():

@@ -77,8 +77,8 @@ def tile_schedule(
     first_pos = q_pos0 + row_offset // group
     kv_end = jnp.where(num_rows > 0, q_pos0 + (row_offset + num_rows - 1) // group + 1, 0)
     kv_start = jnp.zeros_like(kv_end)
-    if sliding_window:
-        kv_start = jnp.maximum(first_pos - sliding_window + 1, 0)
+    if sliding_window:  # a tile without rows has no keys, wherever its (meaningless) first position falls
+        kv_start = jnp.where(num_rows > 0, jnp.maximum(first_pos - sliding_window + 1, 0), 0)
     q_row = jnp.where(num_rows > 0, qsl[req] * group + row_offset, 0)
     granules = (num_rows + GRANULE_ROWS - 1) // GRANULE_ROWS
     granule0 = jnp.cumsum(granules) - granules
