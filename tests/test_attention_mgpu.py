@@ -82,11 +82,12 @@ def _kernel_vs_reference(
             KernelConfig(2, 3, 1, 3, num_programs=2),
             1e-2,
         ),
-        # A sliding window over a bucket with many more tiles than rows (a padded step): the empty tiles
-        # far past the last row must span no stages (they once made the compute warpgroup wait forever).
+        # A sliding window over a bucket with many more tiles than rows (a padded step), in two persistent
+        # programs: the empty tiles far past the last row must span no stages (they once made the compute
+        # warpgroup wait forever for stages never copied).
         (
             Case(reqs=((0, 20), (40, 3)), sliding_window=8, pad_tokens=300, dtype=jnp.bfloat16, **SMALL),
-            KernelConfig(4, 2, 1, 1, accumulate_in_place=True),
+            KernelConfig(4, 2, 1, 1, num_programs=2, accumulate_in_place=True),
             1e-2,
         ),
     ],
