@@ -80,10 +80,11 @@ ARCHS: dict[str, tuple[type[transformers.PretrainedConfig], dict]] = {
         },
     ),
     "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    # Layer 1 dense, the others 6 experts of which 2 are taken, weights not renormalised.
+    # Layer 1 dense, the others 64 experts of which 2 are taken, weights not renormalised: steps of up to 8
+    # tokens gather each pair's experts, larger ones group the pairs (models/moe.py's unforced choice).
     "qwen3_moe": (
         transformers.Qwen3MoeConfig,
-        {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "mlp_only_layers": [1]},
+        {"num_experts": 64, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "mlp_only_layers": [1]},
     ),
 }
 """Preset name -> (HF config class, preset overrides of the shared tiny shape)."""
