@@ -132,7 +132,6 @@ class SparseMoeBlock(nnx.Module):
         self.experts = Experts(hidden_size, config, param_dtype=param_dtype, rngs=rngs)
         self.top_k, self.renormalize = config.top_k, config.renormalize
         self.impl = moe_impl(envs.JAXRUNNER_MOE_IMPL)
-        self.num_experts = config.num_experts
         self.act: Callable[[jax.Array], jax.Array] = ACTIVATIONS[hidden_act]
         self.dtype = dtype
 
@@ -149,7 +148,7 @@ class SparseMoeBlock(nnx.Module):
             self.experts.gate_up_proj[...].astype(self.dtype),
             self.experts.down_proj[...].astype(self.dtype),
             self.act,
-            pick_impl(self.impl, x.shape[0] * self.top_k, self.num_experts),
+            self.impl,
         )
 
 
@@ -193,13 +192,15 @@ def experts_forward(
 ) -> Float[Array, "num_tokens hidden_size"]:
     """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])``, each expert running only its own rows.
 
-    ``impl`` (one of :data:`IMPLS`): ``"gathered"`` multiplies each (token, expert) pair's row by its
-    expert's gathered matrices; the others sort the ``num_tokens * top_k`` pairs by expert (stable), count
-    them per expert, run the two grouped matmuls (``ops/grouped_matmul.py``), then put them back in order.
+    ``impl`` (one of :data:`IMPLS`, or :data:`AUTO`: :func:`pick_impl` for these shapes): ``"gathered"``
+    multiplies each (token, expert) pair's row by its expert's gathered matrices; the others sort the
+    ``num_tokens * top_k`` pairs by expert (stable), count them per expert, run the two grouped matmuls
+    (``ops/grouped_matmul.py``), then put them back in order.
     Either way the pairs are summed in float32.
     """
     num_tokens, top_k = experts.shape
     num_experts, hidden, _, features = gate_up.shape
+    impl = pick_impl(impl, num_tokens * top_k, num_experts)
     if impl == "gathered":
         h = jnp.einsum("th,tkhsf->tksf", x, gate_up[experts], preferred_element_type=jnp.float32).astype(x.dtype)
         out = jnp.einsum(

@@ -41,6 +41,9 @@ class _Shape(TypedDict):
 
 SMALL = _Shape(num_q_heads=4, num_kv_heads=2, head_dim=64)
 
+# A sliding window over a bucket padded far past its rows (many more tiles than rows).
+PADDED_WINDOW = Case(reqs=((0, 20), (40, 3)), sliding_window=8, pad_tokens=300, dtype=jnp.bfloat16, **SMALL)
+
 
 def _kernel_vs_reference(
     case: Case, seed: int, config: KernelConfig | None, tol: float, interpret, cache_dtype=None
@@ -85,11 +88,7 @@ def _kernel_vs_reference(
         # A sliding window over a bucket with many more tiles than rows (a padded step), in two persistent
         # programs: the empty tiles far past the last row must span no stages (they once made the compute
         # warpgroup wait forever for stages never copied).
-        (
-            Case(reqs=((0, 20), (40, 3)), sliding_window=8, pad_tokens=300, dtype=jnp.bfloat16, **SMALL),
-            KernelConfig(4, 2, 1, 1, num_programs=2, accumulate_in_place=True),
-            1e-2,
-        ),
+        (PADDED_WINDOW, KernelConfig(4, 2, 1, 1, num_programs=2, accumulate_in_place=True), 1e-2),
     ],
     ids=["f32-mixed", "f32-odd-2wg", "bf16-split-window-cap", "bf16-window-empty-tiles"],
 )
@@ -155,10 +154,11 @@ def test_tile_schedule_covers_every_row_once():
 def test_tiles_without_rows_span_no_keys_under_a_sliding_window():
     """Empty tiles (a bucket padded past its requests) start and end at key 0, however far past the last
     row they fall; tiles with rows start ``sliding_window - 1`` keys before their first row."""
-    case = Case(reqs=((0, 20), (40, 3)), sliding_window=8, pad_tokens=300, **SMALL)
+    case, group, tile_rows = PADDED_WINDOW, 2, 64
     _, _, _, metadata = _make_inputs(case, seed=1)
-    group, tile_rows, window = 2, 64, 8
-    num_tiles = num_tiles_bound(20 + 3 + case.pad_tokens, len(case.reqs) + case.pad_reqs, group, tile_rows)
+    window = case.sliding_window
+    num_tokens = sum(q for _, q in case.reqs) + case.pad_tokens
+    num_tiles = num_tiles_bound(num_tokens, len(case.reqs) + case.pad_reqs, group, tile_rows)
     fields = np.asarray(tile_schedule(metadata, group, tile_rows, num_tiles, sliding_window=window).fields)
     _, _, num_rows, row_offset, q_pos0, kv_start, kv_end, _ = fields.T
     empty = num_rows == 0
