@@ -40,6 +40,7 @@ import numpy as np
 from benchmarks.harness import cupti_kernel_timings, device_facts, has_cupti, measure_floors, ms_by_kernel, write_json
 from benchmarks.matmul_step import L2_BYTES, PROJECTIONS
 from jaxrunner.ops.fp8_matmul import fp8_matmul, quantize_weight
+from jaxrunner.roofline import matmul_flops_per_s
 
 CUBLAS: Any = {"xla_gpu_enable_triton_gemm": False}
 IMPLEMENTATIONS = ("w8a8", "weight_only", "bf16")
@@ -90,23 +91,6 @@ def time_calls(compiled, x, weights, repeats: int) -> dict[str, Any]:
     return dict(kernel_s=sum(per_kernel.values()) / 1e3 / calls, top_kernel=top[:100], timer="cupti")
 
 
-def fp8_matmul_flops_per_s(n: int) -> float:
-    """The FP8 x FP8 -> float32 rate of a square ``n`` product, in the layout FP8 GEMMs read (``a @ bᵀ``)."""
-    key = jax.random.key(2)
-    a = jax.random.normal(key, (n, n), jnp.float32).astype(jnp.float8_e4m3fn)
-    b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.float32).astype(jnp.float8_e4m3fn)
-    product = jax.jit(
-        lambda p, q: jax.lax.dot_general(p, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    )
-    jax.block_until_ready(product(a, b))
-    times = []
-    for _ in range(10):
-        start = time.perf_counter()
-        jax.block_until_ready(product(a, b))
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / float(np.median(times))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 8192])
@@ -124,7 +108,9 @@ def main() -> None:
     projections = [(name, k // args.scale, n // args.scale) for name, k, n in PROJECTIONS if name in args.projections]
     facts = device_facts()
     floors = measure_floors(args.floor_elements)
-    floors["fp8_matmul_flops_per_s"] = fp8_matmul_flops_per_s(8192 if args.floor_elements >= 1 << 28 else 256)
+    floors["fp8_matmul_flops_per_s"] = matmul_flops_per_s(
+        8192 if args.floor_elements >= 1 << 28 else 256, jnp.float8_e4m3fn
+    )
     copy = floors["copy_bytes_per_s"]
     key = jax.random.key(0)
     quantize = jax.jit(quantize_weight)

@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from jaxrunner.config import (
     CacheConfig,
@@ -45,7 +44,7 @@ from jaxrunner.models.builtin import BUILTIN_MODELS
 from jaxrunner.models.moe import MoEConfig
 from jaxrunner.models.random_lora import save_random_lora_adapter
 from jaxrunner.models.rope import LinearRopeScaling, Rope
-from jaxrunner.roofline import copy_bytes_per_s, median_seconds
+from jaxrunner.roofline import copy_bytes_per_s, matmul_flops_per_s
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.sharding import make_mesh
 
@@ -195,13 +194,8 @@ def measure_floors(elements: int) -> dict[str, float]:
     floor. The matmul is square: 8192 wide from a copy of 2**28 elements, 1024 from
     2**24, 256 below (the toy sizes a CPU runs).
     """
-    key = jax.random.key(0)
     n = 8192 if elements >= 1 << 28 else 1024 if elements >= 1 << 24 else 256
-    a = jax.random.normal(key, (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    matmul = jax.jit(lambda p, q: p @ q)
-    t_mm = median_seconds(lambda: matmul(a, b), 10)
-    floors: dict = {"jax_copy_bytes_per_s": copy_bytes_per_s(elements), "matmul_flops_per_s": 2 * n**3 / t_mm}
+    floors: dict = {"jax_copy_bytes_per_s": copy_bytes_per_s(elements), "matmul_flops_per_s": matmul_flops_per_s(n)}
     floors.update(torch_copy_bytes_per_s(elements))
     floors["copy_bytes_per_s"] = max(v for k, v in floors.items() if k.endswith("copy_bytes_per_s"))
     return floors

@@ -272,21 +272,20 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     }
 
 
-def _read_bound_s(engines: list[LLMEngine], copy_bytes_per_s: float) -> float:
-    """Seconds the engines' steps take at least: each forward pass reads every weight and every
-    scheduled request's KV tokens (``StepTimes``), one device's share at its copy rate.
-    Data-parallel replicas run side by side: the one that read most bounds the run."""
-    from jaxrunner.roofline import bytes_on_device
-    from jaxrunner.sharding import tensor_parallel_size
+def _bounds_s(engines: list[LLMEngine], copy_bytes_per_s: float, matmul_flops_per_s: float) -> tuple[float, float]:
+    """Seconds the engines' steps take at least, on one device's share: (1) every forward pass reads every
+    weight and every scheduled request's KV tokens at the copy rate (``StepTimes``); (2) the roofline: each
+    step the slower of those bytes at the copy rate and its FLOPs at the matmul rate (``roofline.step_floor_s``),
+    which a step of many prompt tokens is bound by. Data-parallel replicas run side by side: the one that
+    takes longest bounds the run."""
+    from jaxrunner.roofline import step_costs, step_floor_s
 
-    bounds = []
+    reads, rooflines = [], []
     for engine in engines:
-        runner, times = engine.runner, engine.step_times
-        weight_bytes = bytes_on_device(runner.params, runner.mesh.local_devices[0])
-        kv_spec = runner.kv_cache_spec.per_device(tensor_parallel_size(runner.mesh))
-        kv_bytes = times.kv_tokens_read * kv_spec.bytes_per_block / kv_spec.block_size
-        bounds.append((times.forward_passes * weight_bytes + kv_bytes) / copy_bytes_per_s)
-    return max(bounds)
+        costs, times = step_costs(engine.runner), engine.step_times
+        reads.append(times.forward_passes * costs.weight_bytes + times.kv_tokens_read * costs.kv_bytes_per_token)
+        rooflines.append(sum(step_floor_s(w, costs, copy_bytes_per_s, matmul_flops_per_s) for w in times.work or ()))
+    return max(reads) / copy_bytes_per_s, max(rooflines)
 
 
 def _check_workload(args: argparse.Namespace) -> None:
@@ -301,17 +300,24 @@ def _check_workload(args: argparse.Namespace) -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     import jax
+    import jax.numpy as jnp
 
     from jaxrunner.engine.kv_cache_manager import PrefixCacheStats
-    from jaxrunner.roofline import copy_bytes_per_s
+    from jaxrunner.roofline import copy_bytes_per_s, matmul_flops_per_s
 
     _check_workload(args)  # before the model loads
     loras = _lora_requests(args)
     llm = _make_llm(args)
     _check_loras(llm, loras)
-    # The copy rate that bounds the run, measured before it on what the KV cache leaves free
-    # (256 MiB copied on a GPU; a token size on a CPU, whose figure only shows the arithmetic).
-    copy_rate = copy_bytes_per_s(1 << 27 if jax.default_backend() == "gpu" else 1 << 16)
+    # The rates that bound the run, measured before it on what the KV cache leaves free (256 MiB copied and
+    # a 4096-wide product on a GPU; token sizes on a CPU, whose figures only show the arithmetic). A model
+    # of FP8 weights is bounded at the FP8 matmul rate, the faster one its products may run at.
+    gpu = jax.default_backend() == "gpu"
+    copy_rate = copy_bytes_per_s(1 << 27 if gpu else 1 << 16)
+    fp8_weights = llm.llm_engine.runner.model_arch.quantization is not None
+    matmul_rate = matmul_flops_per_s(4096 if gpu else 64, jnp.float8_e4m3fn if fp8_weights else jnp.bfloat16)
+    for engine in llm.replicas.engines:
+        engine.step_times.work = []
     rng = np.random.default_rng(args.workload_seed)
     vocab = llm.llm_engine.runner.vocab_size
     input_lens = _lengths(rng, args.input_len, args.range_ratio, args.num_prompts)
@@ -367,11 +373,13 @@ def _bench(args: argparse.Namespace) -> None:
         result["decode_step_ms"] = decode_wall / decode_steps * 1e3
         result["decode_host_ms_per_step"] = sum(t.decode_host_s for t in step_times) / decode_steps * 1e3
         result["decode_host_share"] = result["decode_host_ms_per_step"] / result["decode_step_ms"]
-    bound_s = _read_bound_s(engines, copy_rate)
+    bound_s, roofline_s = _bounds_s(engines, copy_rate, matmul_rate)
     result["copy_bytes_per_s"] = copy_rate
-    result["bound_s"] = bound_s
-    result["bound_output_tokens_per_s"] = num_output / bound_s
-    result["bound_fraction"] = result["output_tokens_per_s"] / result["bound_output_tokens_per_s"]
+    result["matmul_flops_per_s"] = matmul_rate
+    for name, seconds in (("bound", bound_s), ("roofline_bound", roofline_s)):
+        result[f"{name}_s"] = seconds
+        result[f"{name}_output_tokens_per_s"] = num_output / seconds
+        result[f"{name}_fraction"] = result["output_tokens_per_s"] / result[f"{name}_output_tokens_per_s"]
     budget = llm.llm_engine.runner.memory_budget  # replicas alike
     assert budget is not None  # the cache is allocated
     result["memory_budget"] = budget.summary()
@@ -395,7 +403,9 @@ def _bench(args: argparse.Namespace) -> None:
     print(
         f"bound: reading the weights and KV tokens of every step at {copy_rate / 1e12:.3f} TB/s takes "
         f"{bound_s:.2f} s, {result['bound_output_tokens_per_s']:.1f} output tok/s; this run reached "
-        f"{result['bound_fraction']:.1%} of it"
+        f"{result['bound_fraction']:.1%} of it; with each step's FLOPs at {matmul_rate / 1e12:.0f} TFLOP/s "
+        f"(the roofline) {roofline_s:.2f} s, {result['roofline_bound_output_tokens_per_s']:.1f} output tok/s, "
+        f"{result['roofline_bound_fraction']:.1%}"
     )
     print(
         f"{result['num_steps']} steps: engine host work {result['host_ms_per_step']:.2f} ms, program calls "

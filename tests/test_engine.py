@@ -4,6 +4,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -12,9 +13,10 @@ from hf_models import save_tiny_hf_model
 
 from jaxrunner.cli import main as cli_main
 from jaxrunner.engine.llm import LLM
-from jaxrunner.engine.llm_engine import _kv_tokens_read
+from jaxrunner.engine.llm_engine import _step_work
 from jaxrunner.interfaces import CachedRequestData, SamplingParams, SchedulerOutput
 from jaxrunner.models.tokenizer import build_byte_tokenizer
+from jaxrunner.roofline import StepWork, step_costs, step_floor_s
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LADDERS = dict(token_buckets=[8, 32, 64], request_buckets=[2, 8])
@@ -347,6 +349,9 @@ def test_cli_generate_and_bench(tmp_path, capsys, cache_dir, monkeypatch):
     # The bound: the weights and KV tokens every step reads, at the copy rate measured in the run.
     assert result["copy_bytes_per_s"] > 0 and result["bound_s"] > 0
     assert result["bound_fraction"] == pytest.approx(result["bound_s"] / result["elapsed_s"])
+    # The roofline takes each step at the slower of its bytes and its FLOPs: never below the bytes alone.
+    assert result["matmul_flops_per_s"] > 0 and result["roofline_bound_s"] >= result["bound_s"]
+    assert result["roofline_bound_fraction"] == pytest.approx(result["roofline_bound_s"] / result["elapsed_s"])
     assert result["memory_budget"]["kv_cache_blocks"] == 64 and result["memory_budget"]["total_gib"] is None
     out = capsys.readouterr().out
     assert "req/s" in out and "bound: reading the weights and KV tokens" in out and "memory: KV cache 64" in out
@@ -366,15 +371,38 @@ def test_cli_passes_the_kv_cache_dtype_to_the_engine(monkeypatch):
     assert built.value.args[0]["kv_cache_dtype"] == "fp8" and built.value.args[0]["max_num_seqs"] == 512
 
 
-def test_step_times_count_the_kv_tokens_every_forward_pass_reads(make_llm):
+def test_step_times_count_what_every_forward_pass_reads_and_scores(make_llm):
     prompts, params = [[5] * 10, [6] * 20], SamplingParams(max_tokens=5, ignore_eos=True)
     for steps in (1, 4):
         llm = make_llm(async_scheduling=False, enable_prefix_caching=False, num_scheduler_steps=steps)
-        llm.generate(prompts, params, use_tqdm=False)
         times = llm.llm_engine.step_times
+        times.work = []
+        llm.generate(prompts, params, use_tqdm=False)
         # The prefill pass reads 10 + 20 tokens, the four decode passes one more each a pass, however grouped.
         assert (times.forward_passes, times.kv_tokens_read) == (5, 30 + 32 + 34 + 36 + 38)
+        # It scores 10 * 11 / 2 + 20 * 21 / 2 pairs, the decodes (11 + ... + 14) + (21 + ... + 24).
+        assert sum(w.attention_pairs for w in times.work) == 55 + 210 + 50 + 90
+        assert sum(w.tokens for w in times.work) == 30 + 2 * 4 and sum(w.forward_passes for w in times.work) == 5
     # A round of 4 decode steps over contexts of 10 and 20: (11 + 21) + (12 + 22) + (13 + 23) + (14 + 24).
     cached = CachedRequestData(req_ids=["a", "b"], num_computed_tokens=[10, 20], new_block_ids=[None, None])
-    round_of_4 = SchedulerOutput([], cached, {"a": 4, "b": 4}, 8, num_decode_steps=4)
-    assert _kv_tokens_read(round_of_4) == 32 + 34 + 36 + 38
+    round_of_4 = _step_work(SchedulerOutput([], cached, {"a": 4, "b": 4}, 8, num_decode_steps=4))
+    assert (round_of_4.kv_tokens_read, round_of_4.attention_pairs) == (32 + 34 + 36 + 38, 50 + 90)
+
+
+def test_a_steps_floor_is_its_bytes_or_its_flops_whichever_is_slower(make_llm):
+    runner = make_llm().llm_engine.runner
+    costs = step_costs(runner)
+    # The tiny Llama: 2 layers of q/k/v 128 x (128 + 64 + 64), o 128 x 128, gate/up 128 x 512, down 256 x 128;
+    # the embedding table and LM head not counted. Scoring a pair: 2 x 2 FLOPs a head dimension, 4 heads of 32.
+    assert costs.matmul_params == 2 * (128 * 256 + 128 * 128 + 128 * 512 + 256 * 128)
+    assert costs.flops_per_pair == 4 * 2 * 4 * 32
+    assert costs.kv_bytes_per_token == 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads of 32, float32
+    assert costs.weight_bytes == sum(x.nbytes for x in jax.tree.leaves(runner.params))
+    decode, prefill = StepWork(1, 8, 8 * 100, 8 * 100), StepWork(1, 2048, 2048, 2048 * 2049 // 2)
+    copy, flops = 1e12, 1e14
+    assert step_floor_s(decode, costs, copy, flops) == pytest.approx(
+        (costs.weight_bytes + 800 * costs.kv_bytes_per_token) / copy
+    )
+    assert step_floor_s(prefill, costs, copy, flops) == pytest.approx(
+        (2 * 2048 * costs.matmul_params + 2048 * 2049 // 2 * costs.flops_per_pair) / flops
+    )

@@ -36,6 +36,7 @@ from jaxrunner.interfaces import (
 )
 from jaxrunner.lora.request import LoRARequest
 from jaxrunner.multimodal.processing import MultiModalProcessor
+from jaxrunner.roofline import StepWork
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.runner.step_recovery import reset_runner
 
@@ -64,7 +65,10 @@ class StepTimes:
     """Forward passes the steps dispatched, a round of several decode steps counting as that many:
     each reads every weight."""
     kv_tokens_read: int = 0
-    """KV cache tokens those passes read (``_kv_tokens_read``): what bounds a decode step with the weights."""
+    """KV cache tokens those passes read (``_step_work``): what bounds a decode step with the weights."""
+    work: list[StepWork] | None = None
+    """Each step's ``StepWork``, kept where a benchmark asks for it (sets a list): ``jaxrunner bench`` bounds
+    its run step by step (``roofline.step_floor_s``)."""
 
 
 def _decodes_only(scheduler_output: SchedulerOutput) -> bool:
@@ -77,16 +81,23 @@ def _decodes_only(scheduler_output: SchedulerOutput) -> bool:
     )
 
 
-def _kv_tokens_read(scheduler_output: SchedulerOutput) -> int:
-    """KV cache tokens a step's forward passes read: each request's computed tokens and its new ones.
+def _step_work(scheduler_output: SchedulerOutput) -> StepWork:
+    """What a step's forward passes do: each request's new tokens read its computed tokens' KV and their own.
 
-    In a round of k decode steps each request reads one token more a step than the
-    step before: k times its computed tokens, plus 1 + 2 + ... + k.
+    A request of ``c`` computed tokens and ``n`` new ones (a prefill chunk, a token and its
+    drafts, or a round of ``n`` decode steps of one token each) reads ``c + n`` KV tokens,
+    ``n`` times over a round, and scores ``n c + n (n + 1) / 2`` (query, key) pairs.
     """
-    computed = sum(new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs)
-    computed += sum(scheduler_output.scheduled_cached_reqs.num_computed_tokens)
+    computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
     steps = scheduler_output.num_decode_steps
-    return steps * computed + scheduler_output.total_num_scheduled_tokens * (steps + 1) // 2
+    kv_tokens = pairs = 0
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        c = computed[req_id]
+        kv_tokens += steps * c + n * (steps + 1) // 2
+        pairs += n * c + n * (n + 1) // 2
+    return StepWork(steps, scheduler_output.total_num_scheduled_tokens, kv_tokens, pairs)
 
 
 class LLMEngine:
@@ -396,8 +407,11 @@ class LLMEngine:
         times.call_s += called
         times.host_s += host
         if scheduler_output.total_num_scheduled_tokens:
-            times.forward_passes += scheduler_output.num_decode_steps
-            times.kv_tokens_read += _kv_tokens_read(scheduler_output)
+            work = _step_work(scheduler_output)
+            times.forward_passes += work.forward_passes
+            times.kv_tokens_read += work.kv_tokens_read
+            if times.work is not None:
+                times.work.append(work)
         decodes_only = _decodes_only(scheduler_output)
         if decodes_only and self._last_dispatch_decodes_only:
             times.decode_steps += scheduler_output.num_decode_steps
