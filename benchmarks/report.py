@@ -173,11 +173,17 @@ def throughput_figure(source: dict) -> tuple[str, str]:
 
 
 def bound_figure(source: dict) -> tuple[str, str]:
-    """A ``jaxrunner bench`` run's output rate over its bound (every step's weight and KV bytes at the copy rate)."""
+    """A ``jaxrunner bench`` run's output rate over its bound (every step's weight and KV bytes at the copy rate),
+    and over its roofline bound (each step's FLOPs too) where the run has one."""
     data = source["data"]
+    roofline = ""
+    if "roofline_bound_fraction" in data:
+        roofline = (
+            f", roofline {data['roofline_bound_output_tokens_per_s']:,.0f} ({data['roofline_bound_fraction']:.0%})"
+        )
     return (
         f"{data['bound_fraction']:.0%}",
-        f"{data['output_tokens_per_s']:,.0f} output tok/s, bound {data['bound_output_tokens_per_s']:,.0f}; "
+        f"{data['output_tokens_per_s']:,.0f} output tok/s, bound {data['bound_output_tokens_per_s']:,.0f}{roofline}; "
         + scheduling(data),
     )
 
