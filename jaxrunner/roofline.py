@@ -4,7 +4,7 @@ A step reads every weight and every scheduled request's KV tokens at least
 once, and multiplies each of its tokens by every weight matrix, so its time is
 at least the slower of those bytes at the rate the device copies memory and
 those FLOPs at the rate it multiplies matrices (the roofline). ``jaxrunner
-bench`` bounds a run with it, step by step (``StepWork``, ``step_floor_s``), and
+bench`` bounds a run with it, step by step (the engine's ``StepWork``, ``step_floor_s``), and
 the benchmarks bound their steps with the same rates.
 """
 
@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 if TYPE_CHECKING:
+    from jaxrunner.engine.llm_engine import StepWork
     from jaxrunner.runner.model_runner import ModelRunner
 
 
@@ -59,20 +60,6 @@ def matmul_flops_per_s(n: int, dtype=jnp.bfloat16) -> float:
         lambda p, q: jax.lax.dot_general(p, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     )
     return 2 * n**3 / median_seconds(lambda: product(a, b), 10)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepWork:
-    """What one engine step's forward passes did (a round of decode steps counting each pass)."""
-
-    forward_passes: int
-    """Each reads every weight."""
-    tokens: int
-    """Rows multiplied by the weight matrices, over all passes."""
-    kv_tokens_read: int
-    """KV cache tokens read, over all passes."""
-    attention_pairs: int
-    """(query token, key token) pairs the attention scored, over all passes."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,10 +13,10 @@ from hf_models import save_tiny_hf_model
 
 from jaxrunner.cli import main as cli_main
 from jaxrunner.engine.llm import LLM
-from jaxrunner.engine.llm_engine import _step_work
+from jaxrunner.engine.llm_engine import StepWork, _step_work
 from jaxrunner.interfaces import CachedRequestData, SamplingParams, SchedulerOutput
 from jaxrunner.models.tokenizer import build_byte_tokenizer
-from jaxrunner.roofline import StepWork, step_costs, step_floor_s
+from jaxrunner.roofline import step_costs, step_floor_s
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LADDERS = dict(token_buckets=[8, 32, 64], request_buckets=[2, 8])

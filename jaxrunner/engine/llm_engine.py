@@ -36,9 +36,22 @@ from jaxrunner.interfaces import (
 )
 from jaxrunner.lora.request import LoRARequest
 from jaxrunner.multimodal.processing import MultiModalProcessor
-from jaxrunner.roofline import StepWork
 from jaxrunner.runner.model_runner import ModelRunner
 from jaxrunner.runner.step_recovery import reset_runner
+
+
+@dataclasses.dataclass(frozen=True)
+class StepWork:
+    """What one engine step's forward passes did (a round of decode steps counting each pass)."""
+
+    forward_passes: int
+    """Each reads every weight."""
+    tokens: int
+    """Rows multiplied by the weight matrices, over all passes."""
+    kv_tokens_read: int
+    """KV cache tokens read, over all passes."""
+    attention_pairs: int
+    """(query token, key token) pairs the attention scored, over all passes."""
 
 
 @dataclasses.dataclass
