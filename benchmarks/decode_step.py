@@ -76,6 +76,7 @@ from benchmarks.harness import (
     measure_floors,
     median_step,
     random_adapters,
+    request_contexts,
     steps_per_round,
     time_decode,
     write_json,
@@ -90,7 +91,9 @@ from jaxrunner.runner.model_runner import ModelRunner
 ALL_REDUCE_KERNEL = re.compile(r"all[-_ ]?reduce", re.IGNORECASE)
 
 
-def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rng, adapters=(), top: int = 12) -> dict:
+def kernel_profile(
+    runner: ModelRunner, batch: int, context: int, steps: int, rng, adapters=(), spread: float = 0.0, top: int = 12
+) -> dict:
     """CUPTI's record of every kernel in ``steps`` pipelined decode steps (plus the first, which adds
     the requests): kernels and kernel time per step, the ``top`` kernel names by time, and the
     all-reduces' time and share of the kernel time. Under tensor parallelism the figures sum
@@ -99,7 +102,7 @@ def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rn
     Kernel time is the sum of the kernels' durations: were two streams to run kernels at
     once, it would count both, so the step's time outside kernels is a lower bound.
     """
-    timings = cupti_kernel_timings(lambda: time_decode(runner, batch, context, steps, rng, True, adapters))
+    timings = cupti_kernel_timings(lambda: time_decode(runner, batch, context, steps, rng, True, adapters, spread))
     by_name: dict[str, list[float]] = {}
     for name, ms in timings:
         by_name.setdefault(name, []).append(ms)
@@ -119,13 +122,13 @@ def kernel_profile(runner: ModelRunner, batch: int, context: int, steps: int, rn
 
 
 def traced_timeline(
-    runner: ModelRunner, batch: int, context: int, steps: int, rng, keep: Path | None, adapters=()
+    runner: ModelRunner, batch: int, context: int, steps: int, rng, keep: Path | None, adapters=(), spread: float = 0.0
 ) -> dict:
     """The device timeline of ``steps`` pipelined decode steps (plus the first), from a profiler trace,
     with the host's events during its longest gaps; its events are saved to ``keep`` when given."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
-            time_decode(runner, batch, context, steps, rng, True, adapters)
+            time_decode(runner, batch, context, steps, rng, True, adapters, spread)
         path = next(Path(trace_dir).rglob("*.xplane.pb"), None)
         if path is None:
             return {"error": "the profiler wrote no trace"}
@@ -153,11 +156,11 @@ def matmul_weights(runner: ModelRunner) -> tuple[int, int, int, int]:
     )
 
 
-def step_bytes_and_flops(runner: ModelRunner, batch: int, context: int, weight_bytes: int, matmul) -> dict:
-    """What a decode step of ``batch`` requests at ``context`` must read and compute: the weights (only the
+def step_bytes_and_flops(runner: ModelRunner, contexts: list[int], weight_bytes: int, matmul) -> dict:
+    """What a decode step of requests at ``contexts`` must read and compute: the weights (only the
     experts the batch touches, expected for uniform routing), the matrices' bytes and FLOPs (each token's
     ``top_k`` experts only), and the KV (only a sliding-window layer's window)."""
-    arch = runner.model_arch
+    arch, batch = runner.model_arch, len(contexts)
     matmul_bytes, matmul_params, expert_bytes, expert_params = matmul
     if arch.moe is not None:
         touched = 1 - (1 - arch.moe.top_k / arch.moe.num_experts) ** batch
@@ -165,8 +168,9 @@ def step_bytes_and_flops(runner: ModelRunner, batch: int, context: int, weight_b
         weight_bytes, matmul_bytes = weight_bytes - untouched, matmul_bytes - untouched
         matmul_params = matmul_params - expert_params * (1 - arch.moe.top_k / arch.moe.num_experts)
     per_layer_token = runner.kv_cache_spec.bytes_per_block / runner.block_size / arch.num_layers
-    keys = [min(context + 1, arch.layer_sliding_window(i) or context + 1) for i in range(arch.num_layers)]
-    kv_bytes = batch * sum(keys) * per_layer_token
+    windows = [arch.layer_sliding_window(i) for i in range(arch.num_layers)]
+    keys = sum(min(context + 1, window or context + 1) for context in contexts for window in windows)
+    kv_bytes = keys * per_layer_token
     return dict(
         weight_bytes=weight_bytes, matmul_bytes=matmul_bytes, flops=2 * batch * matmul_params, kv_bytes=kv_bytes
     )
@@ -191,9 +195,10 @@ def measure_case(
     parameter) at the matmul rate: from about 200 rows (the device's FLOPs per byte) bf16 GEMMs are
     compute-bound, a time no kernel removes.
     """
-    one_at_a_time = median_step(time_decode(runner, batch, context, args.steps, rng, False, adapters))
-    step = median_step(time_decode(runner, batch, context, args.steps, rng, True, adapters))
-    need = step_bytes_and_flops(runner, batch, context, weight_bytes, matmul)
+    spread = args.context_spread
+    one_at_a_time = median_step(time_decode(runner, batch, context, args.steps, rng, False, adapters, spread))
+    step = median_step(time_decode(runner, batch, context, args.steps, rng, True, adapters, spread))
+    need = step_bytes_and_flops(runner, request_contexts(batch, context, spread), weight_bytes, matmul)
     # Each of the TP devices reads its share of the weights and KV at the copy rate.
     devices = args.tensor_parallel_size
     floor = (need["weight_bytes"] + need["kv_bytes"]) / (floors["copy_bytes_per_s"] * devices)
@@ -202,6 +207,7 @@ def measure_case(
     row = dict(
         batch=batch,
         context=context,
+        context_spread=spread,
         step_ms=step * 1e3,
         floor_ms=floor * 1e3,
         ratio=step / floor,
@@ -212,10 +218,10 @@ def measure_case(
         memory=device_memory(),
     )
     if args.profile:
-        row["profile"] = kernel_profile(runner, batch, context, args.steps, rng, adapters)
+        row["profile"] = kernel_profile(runner, batch, context, args.steps, rng, adapters, spread)
     if args.trace:
         keep = Path(args.keep_events) / f"events_b{batch}_c{context}.json.gz" if args.keep_events else None
-        row["timeline"] = traced_timeline(runner, batch, context, args.steps, rng, keep, adapters)
+        row["timeline"] = traced_timeline(runner, batch, context, args.steps, rng, keep, adapters, spread)
     return row
 
 
@@ -223,6 +229,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument(
+        "--context-spread",
+        type=float,
+        default=0.0,
+        help="each request's context drawn uniformly from context * [1 - s, 1 + s] (bench's --range-ratio); "
+        "0: every request at the context",
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--floor-elements", type=int, default=1 << 30, help="bf16 elements of the copy test (2 GiB)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -280,7 +293,7 @@ def main() -> None:
         build_runner,
         with_quantization(SHAPES[args.shape], args.quantization),
         args.batches,
-        max(args.contexts),
+        round(max(args.contexts) * (1 + args.context_spread)),
         args.steps,
         args.scheduler_steps,
         args.compiler_options,

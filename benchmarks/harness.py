@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from jaxrunner.config import (
     CacheConfig,
@@ -350,28 +351,46 @@ def steps_per_round(runner: ModelRunner) -> int:
     return runner.config.scheduler_config.num_scheduler_steps
 
 
+def request_contexts(batch: int, context: int, spread: float = 0.0) -> list[int]:
+    """The contexts of a case's ``batch`` requests: ``context`` each, or with ``spread`` drawn uniformly from
+    ``context * [1 - spread, 1 + spread]`` (as ``jaxrunner bench --range-ratio`` draws lengths), the same
+    draw for every call of the case."""
+    if not spread:
+        return [context] * batch
+    low, high = max(1, round(context * (1 - spread))), round(context * (1 + spread))
+    return np.random.default_rng([batch, context]).integers(low, high + 1, batch).tolist()
+
+
 def add_decoding_requests(
-    runner: ModelRunner, batch: int, context: int, steps: int, rng, tag: str, adapters: Sequence[LoRARequest] = ()
+    runner: ModelRunner,
+    batch: int,
+    context: int,
+    steps: int,
+    rng,
+    tag: str,
+    adapters: Sequence[LoRARequest] = (),
+    spread: float = 0.0,
 ) -> tuple[list[str], AsyncModelRunnerOutput]:
-    """Give the runner ``batch`` requests at ``context`` tokens, with blocks for ``steps`` more rounds,
-    and dispatch their first step; returns their ids and that step's pending output. Request ``i``
-    runs with ``adapters[i % len(adapters)]`` when there are adapters.
+    """Give the runner ``batch`` requests at ``request_contexts(batch, context, spread)`` tokens, with blocks
+    for ``steps`` more rounds, and dispatch their first step; returns their ids and that step's pending
+    output. Request ``i`` runs with ``adapters[i % len(adapters)]`` when there are adapters.
 
     As after a prefix-cache hit, all but the last prompt token are in the cache.
     """
-    blocks_per_req = -(-(context + steps * steps_per_round(runner) + 1) // runner.block_size)
+    contexts = request_contexts(batch, context, spread)
+    blocks_per_req = -(-(max(contexts) + steps * steps_per_round(runner) + 1) // runner.block_size)
     pool = rng.permutation(runner.num_blocks)
     ids = [f"{tag}b{batch}c{context}r{i}" for i in range(batch)]
     new_reqs = [
         NewRequestData(
             req_id,
-            rng.integers(0, runner.vocab_size, context).tolist(),
+            rng.integers(0, runner.vocab_size, length).tolist(),
             SamplingParams(temperature=0.0),
             (pool[i * blocks_per_req : (i + 1) * blocks_per_req].tolist(),),
-            context - 1,
+            length - 1,
             lora_request=adapters[i % len(adapters)] if adapters else None,
         )
-        for i, req_id in enumerate(ids)
+        for i, (req_id, length) in enumerate(zip(ids, contexts, strict=True))
     ]
     runner.execute_model(SchedulerOutput(new_reqs, CachedRequestData(), {r: 1 for r in ids}, batch))
     return ids, sample_pending(runner)
@@ -384,10 +403,10 @@ def sample_pending(runner: ModelRunner) -> AsyncModelRunnerOutput:
     return output
 
 
-def decode_step_output(ids: list[str], context: int, step: int, round_steps: int = 1) -> SchedulerOutput:
+def decode_step_output(ids: list[str], contexts: list[int], step: int, round_steps: int = 1) -> SchedulerOutput:
     """The scheduler's output for decode round ``step`` after the first step: ``round_steps`` steps of
-    one token for every request."""
-    cached = CachedRequestData(ids, [context + step * round_steps] * len(ids), [None] * len(ids))
+    one token for every request (of ``contexts`` tokens at the first step)."""
+    cached = CachedRequestData(ids, [context + step * round_steps for context in contexts], [None] * len(ids))
     return SchedulerOutput(
         [], cached, {r: round_steps for r in ids}, len(ids) * round_steps, num_decode_steps=round_steps
     )
@@ -406,9 +425,10 @@ def time_decode(
     rng,
     pipelined: bool,
     adapters: Sequence[LoRARequest] = (),
+    spread: float = 0.0,
 ) -> list[float]:
-    """Seconds per decode step for ``batch`` requests at ``context`` tokens each (spread over
-    ``adapters``, if any), over ``steps`` rounds.
+    """Seconds per decode step for ``batch`` requests at ``context`` tokens each (or spread about it:
+    ``request_contexts``; spread over ``adapters``, if any), over ``steps`` rounds.
 
     One round at a time (``pipelined`` False): dispatch, then wait for the tokens on
     the host. Pipelined, as the engine runs with async scheduling: round k+1 is
@@ -416,7 +436,8 @@ def time_decode(
     between consecutive outputs, over its steps.
     """
     round_steps = steps_per_round(runner)
-    ids, in_flight = add_decoding_requests(runner, batch, context, steps, rng, f"p{int(pipelined)}", adapters)
+    ids, in_flight = add_decoding_requests(runner, batch, context, steps, rng, f"p{int(pipelined)}", adapters, spread)
+    contexts = request_contexts(batch, context, spread)
     times = []
     dispatched = in_flight
     last = time.perf_counter()
@@ -424,7 +445,7 @@ def time_decode(
         if not pipelined:
             in_flight.get_output()
         if step < steps:
-            runner.execute_model(decode_step_output(ids, context, step, round_steps))
+            runner.execute_model(decode_step_output(ids, contexts, step, round_steps))
             dispatched = sample_pending(runner)
         if pipelined:
             in_flight.get_output()

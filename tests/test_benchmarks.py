@@ -17,9 +17,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks import report
+from benchmarks.harness import request_contexts
 from jaxrunner.models.builtin import BUILTIN_MODELS
 from jaxrunner.sharding import padded_vocab_size
 
@@ -35,6 +37,8 @@ COMMANDS = {
         "2",
         "--contexts",
         "32",
+        "--context-spread",
+        "0.5",
         "--steps",
         "4",
         "--floor-elements",
@@ -263,12 +267,19 @@ def assert_stamped(result: dict) -> None:
     assert "commit" in result
 
 
+def test_a_cases_contexts_spread_about_its_context_the_same_way_each_time():
+    contexts = request_contexts(64, 1000, 0.5)
+    assert contexts == request_contexts(64, 1000, 0.5) and len(set(contexts)) > 32
+    assert min(contexts) >= 500 and max(contexts) <= 1500 and abs(np.mean(contexts) - 1000) < 100
+    assert request_contexts(4, 1000) == [1000] * 4
+
+
 def test_decode_step_times_each_case_against_its_floor(runs):
     result = result_of(runs, "decode_step")
     assert_stamped(result)
     assert result["copy_bytes_per_s"] > 0 and result["matmul_flops_per_s"] > 0 and "torch_copy_error" in result
     (row,) = result["rows"]
-    assert (row["batch"], row["context"]) == (2, 32)
+    assert (row["batch"], row["context"], row["context_spread"]) == (2, 32, 0.5)
     assert row["step_ms"] > 0 and row["floor_ms"] > 0 and row["one_at_a_time_ms"] > 0
     assert row["ratio"] == pytest.approx(row["step_ms"] / row["floor_ms"])
     # The roofline floor leaves out the untied embedding table (a step reads its rows) and adds the GEMMs' FLOPs
