@@ -64,8 +64,10 @@ def matmul_flops_per_s(n: int, dtype=jnp.bfloat16) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
-    """What a model's step costs one device, per unit of ``StepWork``; each an undercount where the exact
-    figure depends on more than the work (so that the floor stays a floor)."""
+    """What a model's step costs one device, per unit of ``StepWork``. The FLOPs are undercounts where the
+    exact figure depends on more than the work (so that they stay a floor); the bytes count every weight and
+    every KV token, which overstates a mixture's step (experts no token routes to) and a sliding-window
+    model's (keys past the window)."""
 
     weight_bytes: int
     """The device's share of the weights, read once a forward pass."""
