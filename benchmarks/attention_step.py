@@ -367,6 +367,10 @@ def candidate_configs(base: KernelConfig, widened: bool = False) -> dict[str, Ke
             {
                 "widened-1,stages+2": flip(num_widened_stages=1, num_stages=base.num_stages + 2),
                 "widened+1": flip(num_widened_stages=base.num_widened_stages + 1),
+                # Scores in FP8 (e4m3 caches; their error counts the queries' rounding, which the widened
+                # reference does not do), and with a deeper FP8 ring, which the keys are now read from.
+                "fp8_scores_flipped": flip(fp8_scores=not base.fp8_scores),
+                "fp8_scores_flipped,stages+1": flip(fp8_scores=not base.fp8_scores, num_stages=base.num_stages + 1),
             }
             if widened
             else {}

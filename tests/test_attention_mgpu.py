@@ -24,6 +24,9 @@ from jaxrunner.ops.attention_mgpu import (
     KernelConfig,
     choose_config,
     choose_splits,
+    compute_dtype,
+    config_for,
+    fp8_queries,
     kernel_supports,
     num_granules_bound,
     num_tiles_bound,
@@ -46,18 +49,26 @@ PADDED_WINDOW = Case(reqs=((0, 20), (40, 3)), sliding_window=8, pad_tokens=300, 
 
 
 def _kernel_vs_reference(
-    case: Case, seed: int, config: KernelConfig | None, tol: float, interpret, cache_dtype=None
+    case: Case, seed: int, config: KernelConfig | None, tol: float, interpret, cache_dtype=None, switches=None
 ) -> None:
     """The kernel against the reference on one random case; with ``cache_dtype`` (FP8) the caches are
-    quantized to it, and the reference reads the same values widened to q's dtype (exactly)."""
+    quantized to it, and the reference reads the same values widened to q's dtype (exactly), and with
+    ``config.fp8_scores`` the queries the kernel rounds to FP8 (exact in q's dtype too). ``switches``:
+    fields of the table's config to change (with ``config`` None)."""
     q, k_cache, v_cache, metadata = _make_inputs(case, seed)
+    if switches:
+        config = dataclasses.replace(config_for(q, k_cache.astype(cache_dtype or q.dtype), metadata), **switches)
+    q_read = q
+    if cache_dtype == jnp.float8_e4m3fn and config is not None and config.fp8_scores:
+        q8, scale = fp8_queries(q.astype(compute_dtype(q.dtype, cache_dtype)))
+        q_read = (q8.astype(jnp.float32) * scale[..., None]).astype(q.dtype)
     kwargs = dict(sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
     kernel = jax.jit(lambda *a: ragged_paged_attention_mgpu(*a, config=config, interpret=interpret, **kwargs))
     reference = jax.jit(lambda *a: ragged_paged_attention(*a, impl="reference", **kwargs))
     if cache_dtype is not None:
         k_cache, v_cache = (c.astype(cache_dtype) for c in (k_cache, v_cache))
         got = np.asarray(kernel(q, k_cache, v_cache, metadata), np.float64)
-        want = np.asarray(reference(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), metadata), np.float64)
+        want = np.asarray(reference(q_read, k_cache.astype(q.dtype), v_cache.astype(q.dtype), metadata), np.float64)
     else:
         got = np.asarray(kernel(q, k_cache, v_cache, metadata), np.float64)
         want = np.asarray(reference(q, k_cache, v_cache, metadata), np.float64)
@@ -121,8 +132,21 @@ def test_interpreted_kernel_matches_reference(case, config, tol):
             KernelConfig(2, 3, 1, 1, num_widened_stages=1, num_programs=3),
             jnp.float8_e4m3fn,
         ),
+        # Scores in FP8: queries in e4m3 with a scale a row, keys read from the FP8 ring as they landed (a
+        # ring of 3 beside a widened value ring of 2), values widened by their own copy warpgroup, split in
+        # two; then one copy warpgroup moving both (keys plain, values widened) for two compute warpgroups.
+        (
+            Case(reqs=MIXED, dtype=jnp.bfloat16, **SMALL),
+            KernelConfig(2, 3, 1, 2, num_programs=3, num_widening_wgs=2, accumulate_in_place=True, fp8_scores=True),
+            jnp.float8_e4m3fn,
+        ),
+        (
+            Case(reqs=ODD, dtype=jnp.bfloat16, **SMALL),
+            KernelConfig(1, 2, 2, 1, num_widened_stages=3, num_programs=2, fp8_scores=True),
+            jnp.float8_e4m3fn,
+        ),
     ],
-    ids=["e4m3-mixed-split", "e5m2-odd-2wg", "e4m3-odd-one-widened"],
+    ids=["e4m3-mixed-split", "e5m2-odd-2wg", "e4m3-odd-one-widened", "e4m3-fp8-scores", "e4m3-fp8-scores-2wg"],
 )
 def test_interpreted_kernel_over_fp8_cache_matches_reference(case, config, cache_dtype):
     """FP8 pages widened on chip give the reference's attention over the same values."""
@@ -306,6 +330,18 @@ def test_kernel_lowers_for_cuda_with_every_config_it_may_run(case, switches, hea
     assert "mosaic_gpu" in lowered.as_text()
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", sorted(LOWERED_CASES))
+def test_kernel_lowers_for_cuda_with_scores_in_fp8(case, head_dim):
+    """``fp8_scores`` over an e4m3 cache: FP8 queries and scales copied in, ``Q K^T`` an FP8 wgmma on the keys'
+    ring, values widened."""
+    num_tokens, num_reqs, max_blocks = LOWERED_CASES[case]
+    config = choose_config(num_tokens, num_reqs, 4, 8, head_dim, 16, max_blocks, 2, cache_itemsize=1)
+    config = dataclasses.replace(config, fp8_scores=True)
+    lowered = _lower_for_cuda(num_tokens, num_reqs, max_blocks, head_dim, jnp.float16, config, jnp.float8_e4m3fn)
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 def test_unknown_impl_flag_is_refused(monkeypatch):
     case = Case(reqs=((0, 1),), **SMALL)
     q, k_cache, v_cache, metadata = _make_inputs(case, seed=0)
@@ -348,19 +384,25 @@ def test_compiled_kernel_matches_reference(name):
 
 
 # FP8 caches at real sizes: decode, a mixed batch, a prefill, and head_dim 64 (64-byte FP8 rows).
+# The table's configs, and with scores in FP8 (``fp8_scores``, e4m3 only).
 GPU_FP8_CASES = {
-    "decode-64x4k-e4m3": (GPU_CASES["decode-64x4k"], jnp.float8_e4m3fn),
-    "mixed-e4m3": (GPU_CASES["mixed"], jnp.float8_e4m3fn),
-    "prefill-2k-e5m2": (GPU_CASES["prefill-2k"], jnp.float8_e5m2),
-    "head-dim-64-e4m3": (GPU_CASES["head-dim-64"], jnp.float8_e4m3fn),
+    "decode-64x4k-e4m3": (GPU_CASES["decode-64x4k"], jnp.float8_e4m3fn, None),
+    "mixed-e4m3": (GPU_CASES["mixed"], jnp.float8_e4m3fn, None),
+    "prefill-2k-e5m2": (GPU_CASES["prefill-2k"], jnp.float8_e5m2, None),
+    "head-dim-64-e4m3": (GPU_CASES["head-dim-64"], jnp.float8_e4m3fn, None),
+    "decode-64x4k-e4m3-fp8-scores": (GPU_CASES["decode-64x4k"], jnp.float8_e4m3fn, dict(fp8_scores=True)),
+    "mixed-e4m3-fp8-scores": (GPU_CASES["mixed"], jnp.float8_e4m3fn, dict(fp8_scores=True)),
+    "head-dim-64-e4m3-fp8-scores": (GPU_CASES["head-dim-64"], jnp.float8_e4m3fn, dict(fp8_scores=True)),
 }
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(GPU_FP8_CASES))
 def test_compiled_kernel_over_fp8_cache_matches_reference(name):
-    case, cache_dtype = GPU_FP8_CASES[name]
-    _kernel_vs_reference(case, seed=7, config=None, tol=1e-2, interpret=None, cache_dtype=cache_dtype)
+    case, cache_dtype, switches = GPU_FP8_CASES[name]
+    _kernel_vs_reference(
+        case, seed=7, config=None, tol=1e-2, interpret=None, cache_dtype=cache_dtype, switches=switches
+    )
 
 
 @pytest.mark.gpu

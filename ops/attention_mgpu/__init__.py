@@ -26,7 +26,7 @@ from jaxrunner.ops.attention_mgpu.tuning import (
     kernel_supports,
     program_shared_memory,
 )
-from jaxrunner.ops.attention_mgpu.wrapper import compute_dtype, prepare_tiles, ragged_paged_attention_mgpu
+from jaxrunner.ops.attention_mgpu.wrapper import compute_dtype, fp8_queries, prepare_tiles, ragged_paged_attention_mgpu
 
 __all__ = [
     "FP8_CACHE_DTYPES",
@@ -40,6 +40,7 @@ __all__ = [
     "compute_dtype",
     "config_for",
     "device_sms",
+    "fp8_queries",
     "kernel_supports",
     "launch_kernel",
     "num_granules_bound",

@@ -22,7 +22,9 @@ last. Each compute warpgroup holds 64 rows of a tile and all walk the same KV st
   warpgroups run wgmma on the widened stages exactly as on a 16-bit ring: the
   widening stays off their per-stage chain. With ``num_widening_wgs`` 2, one copy
   warpgroup moves and widens the keys and another the values, side by side. Widening is exact (every FP8 value is
-  a float16); the cache's scales are applied outside the kernel.
+  a float16); the cache's scales are applied outside the kernel. With ``fp8_scores``
+  the queries arrive in e4m3 with a scale a row, ``Q K^T`` runs in FP8 on the keys as
+  they landed, and only the values are widened.
 
 Queries come from, and outputs go to, the schedule's packed buffers: each warpgroup
 copies in its 64 rows as eight 8-row granules (past the tile's last granule, that
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +55,7 @@ from jaxrunner.ops.attention_mgpu.schedule import (
     REQ,
     ROW_OFFSET,
 )
-from jaxrunner.ops.attention_mgpu.tuning import ROWS_PER_WG, KernelConfig
+from jaxrunner.ops.attention_mgpu.tuning import ROWS_PER_WG, SCALE_LANES, KernelConfig
 
 COPY_REGISTERS = 40
 """Registers per thread left to the copy warpgroup when compute warpgroups take more."""
@@ -86,10 +88,26 @@ class _Item(NamedTuple):
     full_hi: Array
 
 
+class _Stream(NamedTuple):
+    """What a copy warpgroup moves for the keys or the values: the cache, the ring its stages land in and
+    their landed barriers; the widened ring and its ready barriers (None where the compute warpgroups read
+    the stages as they landed); the barriers that release what the compute warpgroups read, and their
+    number (the depth of the ring they read). The refs are Pallas refs, which carry no static type."""
+
+    cache: Any
+    ring: Any
+    landed: Any
+    wide: Any
+    ready: Any
+    free: Any
+    num_free: int
+
+
 def _kernel_body(
     sched_ref,
     block_tables_ref,
     q_ref,
+    q_scale_ref,
     k_ref,
     v_ref,
     out_ref,
@@ -106,15 +124,19 @@ def _kernel_body(
 ):
     """One program: the items ``program, program + num_programs, ...`` of the launch order, one after
     another through one ring. Warpgroups ``0..n-1`` compute, ``n`` copies (over an FP8 cache with two
-    widening warpgroups, ``n`` moves the keys and ``n + 1`` the values)."""
+    widening warpgroups, ``n`` moves the keys and ``n + 1`` the values). ``q_scale_ref`` (None but with
+    ``fp8_scores``): each FP8 query row's scale."""
     head_dim = q_ref.shape[-1]
-    dtype = q_ref.dtype
-    widen = k_ref.dtype != dtype  # an FP8 cache, widened to q's dtype on chip
+    dtype = out_ref.dtype  # the 16-bit dtype of the widened stages, of P and of the output
+    widen = k_ref.dtype != dtype  # an FP8 cache, widened to the 16-bit dtype on chip
+    fp8_scores = q_scale_ref is not None  # queries in FP8; the keys read as they landed, only values widened
     n_wg = config.num_compute_wgs
     pages = config.pages_per_stage
     stages = config.num_stages
-    # The ring the compute warpgroups read: the TMA ring, or over an FP8 cache the widened ring.
+    # The rings the compute warpgroups read: the TMA ring, or over an FP8 cache the widened ring.
     operand_stages = config.num_widened_stages if widen else stages
+    widen_keys = widen and not fp8_scores
+    key_stages = operand_stages if widen_keys else stages
     stage_keys = pages * block_size
     max_blocks = block_tables_ref.shape[1]
     num_tiles, num_kv_heads = sched_ref.shape[0], q_ref.shape[0]
@@ -156,6 +178,8 @@ def _kernel_body(
 
     def scoped(
         q_smem,
+        out_smem,
+        scale_smem,
         lse_smem,
         k_smem,
         v_smem,
@@ -171,9 +195,10 @@ def _kernel_body(
         turn,
     ):
         wg = lax.axis_index("wg")
+        out_smem = q_smem if out_smem is None else out_smem  # 16-bit queries: the output takes their place
         # Each operand stage's keys and values and their "ready" barriers; ``k_free`` / ``v_free`` release them.
-        k_ops, v_ops = (k_wide, v_wide) if widen else (k_smem, v_smem)
-        k_ready, v_ready = (k_wide_bar, v_wide_bar) if widen else (k_bar, v_bar)
+        k_ops, k_ready = (k_wide, k_wide_bar) if widen_keys else (k_smem, k_bar)
+        v_ops, v_ready = (v_wide, v_wide_bar) if widen else (v_smem, v_bar)
 
         def rendezvous():
             """Both compute warpgroups meet; offset by one meeting, they alternate."""
@@ -196,15 +221,17 @@ def _kernel_body(
                 num_granules = (wg_rows + GRANULE_ROWS - 1) // GRANULE_ROWS
                 for i in range(GRANULES_PER_WG):
                     src = jnp.clip(granule0 + jnp.minimum(i, num_granules - 1), 0, last_granule)
-                    plgpu.copy_gmem_to_smem(
-                        q_ref.at[item.kv_head, pl.ds(src * GRANULE_ROWS, GRANULE_ROWS)],
-                        q_smem.at[wg, pl.ds(i * GRANULE_ROWS, GRANULE_ROWS)],
-                        q_bar.at[wg],
-                    )
+                    for ref, smem in ((q_ref, q_smem), (q_scale_ref, scale_smem)) if fp8_scores else ((q_ref, q_smem),):
+                        plgpu.copy_gmem_to_smem(
+                            ref.at[item.kv_head, pl.ds(src * GRANULE_ROWS, GRANULE_ROWS)],
+                            smem.at[wg, pl.ds(i * GRANULE_ROWS, GRANULE_ROWS)],
+                            q_bar.at[wg],
+                        )
                 row_max = wgmma_layout(jnp.full((ROWS_PER_WG,), MASKED, jnp.float32))
                 row_sum = wgmma_layout(jnp.full((ROWS_PER_WG,), 0.0, jnp.float32))
                 acc = wgmma_layout(jnp.zeros((ROWS_PER_WG, head_dim), jnp.float32))
                 plgpu.barrier_wait(q_bar.at[wg])
+                row_scale = _row_vector(scale_smem.at[wg], interpreted) if fp8_scores else None
 
                 def visible(stage):
                     """Causal (and window) mask of one stage's keys for this warpgroup's rows."""
@@ -219,10 +246,13 @@ def _kernel_body(
 
                 def step(stage, carry, masked: bool):
                     acc, row_max, row_sum = carry
+                    k_slot = lax.rem(base + stage - item.lo, key_stages)
                     slot = lax.rem(base + stage - item.lo, operand_stages)
-                    plgpu.barrier_wait(k_ready.at[slot])
-                    s = _scores(q_smem.at[wg], k_ops.at[slot], interpreted, rendezvous if config.pingpong else None)
-                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_wait(k_ready.at[k_slot])
+                    s = _scores(q_smem.at[wg], k_ops.at[k_slot], interpreted, rendezvous if config.pingpong else None)
+                    plgpu.barrier_arrive(k_free.at[k_slot])
+                    if row_scale is not None:
+                        s = s * lax.broadcast_in_dim(row_scale, s.shape, [0])
                     if soft_cap:
                         s = jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * LOG2_E)
                     else:
@@ -256,7 +286,7 @@ def _kernel_body(
                     pl.when(wg == 0)(rendezvous)  # and meets warpgroup 1's last turn
                 acc, row_max, row_sum = carry
                 row_sum_safe = jnp.maximum(row_sum, 1e-30)
-                q_smem.at[wg][...] = (acc / lax.broadcast_in_dim(row_sum_safe, acc.shape, [0])).astype(dtype)
+                out_smem.at[wg][...] = (acc / lax.broadcast_in_dim(row_sum_safe, acc.shape, [0])).astype(dtype)
                 if lse_smem is not None:
                     lse_smem.at[wg][...] = row_max + jnp.log2(row_sum_safe)
                 plgpu.commit_smem()
@@ -266,7 +296,7 @@ def _kernel_body(
                     def _write_back(i=i):
                         rows = pl.ds(i * GRANULE_ROWS, GRANULE_ROWS)
                         out_rows = pl.ds((granule0 + i) * GRANULE_ROWS, GRANULE_ROWS)
-                        plgpu.copy_smem_to_gmem(q_smem.at[wg, rows], out_ref.at[item.split, item.kv_head, out_rows])
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, rows], out_ref.at[item.split, item.kv_head, out_rows])
                         if lse_smem is not None:
                             plgpu.copy_smem_to_gmem(
                                 lse_smem.at[wg, rows], lse_ref.at[item.split, item.kv_head, out_rows]
@@ -277,27 +307,29 @@ def _kernel_body(
 
             lax.fori_loop(0, my_items, run_item, jnp.int32(0))
 
-        # What the copy warpgroups move: each stream's cache, FP8 (or only) ring, landed barriers,
-        # widened ring, ready barriers and release barriers.
+        # What the copy warpgroups move: each stream's cache, FP8 (or only) ring, landed barriers, widened ring
+        # and ready barriers (None where the stream is read as it landed), release barriers and their number.
         streams = (
-            (k_ref, k_smem, k_bar, k_wide, k_wide_bar, k_free),
-            (v_ref, v_smem, v_bar, v_wide, v_wide_bar, v_free),
+            _Stream(k_ref, k_smem, k_bar, k_wide, k_wide_bar, k_free, key_stages),
+            _Stream(v_ref, v_smem, v_bar, v_wide, v_wide_bar, v_free, operand_stages),
         )
 
-        def _copy(owned):
+        def _copy(owned: tuple[_Stream, ...]):
             """Copy (and over an FP8 cache widen) the ``owned`` streams' stages, item after item through the
             ring, so that the next item's first stages arrive while the compute warpgroups finish this one."""
+            widened = [stream for stream in owned if stream.wide is not None]
+            plain = [stream for stream in owned if stream.wide is None]
             if config.compute_registers:
-                plgpu.set_max_registers(WIDENING_COPY_REGISTERS if widen else COPY_REGISTERS, action="decrease")
+                plgpu.set_max_registers(WIDENING_COPY_REGISTERS if widened else COPY_REGISTERS, action="decrease")
 
             def widen_step(h):
                 """Widen the program's ``h``-th stage into the 16-bit ring once its slot there is free."""
                 slot, wide_slot = lax.rem(h, stages), lax.rem(h, operand_stages)
-                for _, narrow, landed, wide, ready, free in owned:
-                    pl.when(h >= operand_stages)(lambda free=free: plgpu.barrier_wait(free.at[wide_slot]))
-                    plgpu.barrier_wait(landed.at[slot])
-                    _widen_stage(narrow.at[slot], wide.at[wide_slot], interpreted)
-                    plgpu.barrier_arrive(ready.at[wide_slot])
+                for stream in widened:
+                    pl.when(h >= operand_stages)(lambda free=stream.free: plgpu.barrier_wait(free.at[wide_slot]))
+                    plgpu.barrier_wait(stream.landed.at[slot])
+                    _widen_stage(stream.ring.at[slot], stream.wide.at[wide_slot], interpreted)
+                    plgpu.barrier_arrive(stream.ready.at[wide_slot])
 
             def run_item(j, base):
                 item = item_at(j)
@@ -312,33 +344,33 @@ def _kernel_body(
                         for p in range(pages)
                     ]
                     slot = lax.rem(g, stages)
-                    if widen:  # the FP8 slot frees once its stage is widened
+                    if widened:  # a widened stream's FP8 slot frees once its stage is widened
                         pl.when(g >= stages)(lambda: widen_step(g - stages))
-                    else:
+                    if plain:  # a plain stream's once the compute warpgroups release it
 
                         @pl.when(g >= stages)
                         def _wait_free():
-                            for *_, free in owned:
-                                plgpu.barrier_wait(free.at[slot])
+                            for stream in plain:
+                                plgpu.barrier_wait(stream.free.at[slot])
 
-                    for cache, smem, bar, *_ in owned:
+                    for stream in owned:
                         for p, page in enumerate(ids):
-                            dst = pl.ds(p * block_size, block_size)
-                            plgpu.copy_gmem_to_smem(cache.at[page, :, item.kv_head], smem.at[slot, dst], bar.at[slot])
+                            src, dst = stream.cache.at[page, :, item.kv_head], pl.ds(p * block_size, block_size)
+                            plgpu.copy_gmem_to_smem(src, stream.ring.at[slot, dst], stream.landed.at[slot])
                     return g + 1
 
                 return lax.fori_loop(0, item.num_steps, step, base)
 
             total = lax.fori_loop(0, my_items, run_item, jnp.int32(0))
-            if widen:
+            if widened:
                 pl.loop(jnp.maximum(total - stages, 0), total)(widen_step)
 
             # Observe the last releases too, so every barrier phase is waited on once.
-            @pl.loop(jnp.maximum(total - operand_stages, 0), total)
-            def _drain(g):
-                slot = lax.rem(g, operand_stages)
-                for *_, free in owned:
-                    plgpu.barrier_wait(free.at[slot])
+            for stream in owned:
+
+                @pl.loop(jnp.maximum(total - stream.num_free, 0), total)
+                def _drain(g, stream=stream):
+                    plgpu.barrier_wait(stream.free.at[lax.rem(g, stream.num_free)])
 
         if widen and config.num_widening_wgs == 2:  # one warpgroup a stream: K and V widen side by side
             for j, stream in enumerate(streams):
@@ -350,20 +382,23 @@ def _kernel_body(
     ring_tiled = _smem_transforms(k_ref.dtype, head_dim)
     wide = plgpu.SMEM((operand_stages, stage_keys, head_dim), dtype, transforms=tiled) if widen else None
     wide_bar = plgpu.Barrier(num_arrivals=1, num_barriers=operand_stages) if widen else None
+    rows = (n_wg, ROWS_PER_WG)
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((n_wg, ROWS_PER_WG, head_dim), dtype, transforms=tiled),
-        plgpu.SMEM((n_wg, ROWS_PER_WG), jnp.float32) if lse_ref is not None else None,
+        plgpu.SMEM((*rows, head_dim), q_ref.dtype, transforms=_smem_transforms(q_ref.dtype, head_dim)),
+        plgpu.SMEM((*rows, head_dim), dtype, transforms=tiled) if fp8_scores else None,
+        plgpu.SMEM((*rows, SCALE_LANES), jnp.float32) if fp8_scores else None,
+        plgpu.SMEM(rows, jnp.float32) if lse_ref is not None else None,
         plgpu.SMEM((stages, stage_keys, head_dim), k_ref.dtype, transforms=ring_tiled),
         plgpu.SMEM((stages, stage_keys, head_dim), v_ref.dtype, transforms=ring_tiled),
+        wide if widen_keys else None,
         wide,
-        wide,
-        plgpu.Barrier(num_arrivals=GRANULES_PER_WG, num_barriers=n_wg),
+        plgpu.Barrier(num_arrivals=GRANULES_PER_WG * (2 if fp8_scores else 1), num_barriers=n_wg),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=stages),
+        wide_bar if widen_keys else None,
         wide_bar,
-        wide_bar,
-        plgpu.Barrier(num_arrivals=n_wg, num_barriers=operand_stages),
+        plgpu.Barrier(num_arrivals=n_wg, num_barriers=key_stages),
         plgpu.Barrier(num_arrivals=n_wg, num_barriers=operand_stages),
         plgpu.Barrier(num_arrivals=n_wg) if config.pingpong else None,
         collective_axes="wg",
@@ -438,6 +473,13 @@ def _widen_stage(narrow_smem, wide_smem, interpreted: bool) -> None:
     plgpu.commit_smem()
 
 
+def _row_vector(smem, interpreted: bool) -> Float[Array, " rows"]:
+    """One value a query row from its ``SCALE_LANES`` copies in shared memory, in the layout of wgmma
+    accumulators' rows."""
+    tile = smem[...] if interpreted else plgpu.load(smem, (), layout=plgpu.Layout.WGMMA)
+    return tile.max(axis=1)
+
+
 def _wgmma_layout(x: Array) -> Array:
     """Pin a row vector (or a row-major tile) to the layout of wgmma accumulators' rows."""
     layout = plgpu.Layout.WGMMA.reduce(1) if x.ndim == 1 else plgpu.Layout.WGMMA
@@ -463,15 +505,20 @@ def launch_kernel(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    q_scales: Float[Array, "num_kv_heads packed_rows scale_lanes"] | None = None,
+    out_dtype=None,
     interpret=None,
 ) -> list[Array]:
     """The kernel alone: packed partial outputs ``[num_kv_splits, num_kv_heads, packed_rows, head_dim]``
-    and, with splits, their log-sum-exps ``[num_kv_splits, num_kv_heads, packed_rows]`` (log2 domain)."""
+    in ``out_dtype`` (default q's) and, with splits, their log-sum-exps ``[num_kv_splits, num_kv_heads,
+    packed_rows]`` (log2 domain). ``q_scales``: FP8 queries' scales, ``SCALE_LANES`` copies a row
+    (``config.fp8_scores``)."""
     num_kv_heads, out_rows, head_dim = q_packed.shape
     num_tiles = schedule_fields.shape[0]
-    widen = k_cache.dtype != q_packed.dtype
+    out_dtype = jnp.dtype(out_dtype or q_packed.dtype)
+    widen = k_cache.dtype != out_dtype
     splits = config.num_kv_splits
-    out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), q_packed.dtype)]
+    out_type = [jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows, head_dim), out_dtype)]
     if splits > 1:
         out_type.append(jax.ShapeDtypeStruct((splits, num_kv_heads, out_rows), jnp.float32))
     num_items = splits * num_tiles * num_kv_heads
@@ -488,8 +535,12 @@ def launch_kernel(
         interpreted=interpret is not None,
     )
 
-    def entry(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref=None):
-        body(sched_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref)
+    def entry(sched_ref, tables_ref, q_ref, *refs):
+        q_scale_ref, refs = (refs[0], refs[1:]) if q_scales is not None else (None, refs)
+        k_ref, v_ref, out_ref, *lse_ref = refs
+        body(sched_ref, tables_ref, q_ref, q_scale_ref, k_ref, v_ref, out_ref, lse_ref[0] if lse_ref else None)
+
+    inputs = (schedule_fields, block_tables, q_packed, *([] if q_scales is None else [q_scales]), k_cache, v_cache)
 
     return plgpu.kernel(
         entry,
@@ -500,4 +551,4 @@ def launch_kernel(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
-    )(schedule_fields, block_tables, q_packed, k_cache, v_cache)
+    )(*inputs)

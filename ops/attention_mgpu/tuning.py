@@ -22,6 +22,9 @@ HOPPER_SMS = 132
 """Streaming multiprocessors of an H100 SXM or an H200: the table's default for wave and persistent-grid sizes."""
 ROWS_PER_WG = 64
 """Query rows per compute warpgroup: the M of one wgmma."""
+SCALE_LANES = 8
+"""Copies of each FP8 query row's scale side by side (``fp8_scores``): a granule's scales then make a copy of
+256 bytes (a warpgroup's copies move a multiple of 128), read as a ``[64, 8]`` tile in the wgmma layout."""
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 QUERY_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -71,6 +74,11 @@ class KernelConfig:
     """Over an FP8 cache, copy warpgroups that widen: 1 moves and widens keys and values, 2 split them
     (keys in one, values in the other) so that the two widenings run side by side; unused over a
     16-bit cache."""
+    fp8_scores: bool = False
+    """Over an e4m3 cache, ``Q K^T`` in FP8 on the tensor cores: the queries come in e4m3 with a power-of-two
+    scale a row (``wrapper.fp8_queries``), the keys straight from the FP8 ring (no widening), the scores
+    multiplied back by each row's scale; only the values are widened. Unused over other caches (wgmma takes
+    no e4m3 x e5m2 product)."""
     compute_registers: int | None = None
     """Registers per thread the compute warpgroups take from the copy warpgroup
     (``setmaxnreg``; the copy warpgroup drops to ``kernel.COPY_REGISTERS``); None leaves
@@ -121,13 +129,20 @@ def program_shared_memory(
 ) -> int:
     """Shared-memory bytes of one program's queries, K/V ring, (when split) log-sum-exps and
     (over an FP8 cache, ``cache_itemsize`` 1) the widened 16-bit ring: the part
-    ``SHARED_MEMORY_BYTES`` bounds."""
+    ``SHARED_MEMORY_BYTES`` bounds. With ``fp8_scores`` FP8 queries and their scales come beside the
+    16-bit output tile."""
     cache_itemsize = cache_itemsize or itemsize
+    widen = cache_itemsize < itemsize
+    fp8_scores = widen and config.fp8_scores
     stage_keys = config.pages_per_stage * block_size
-    queries = config.num_compute_wgs * ROWS_PER_WG * head_dim * itemsize
+    rows = config.num_compute_wgs * ROWS_PER_WG
+    queries = rows * head_dim * itemsize
+    if fp8_scores:  # FP8 queries and their scales beside the 16-bit output
+        queries += rows * (head_dim * cache_itemsize + SCALE_LANES * 4)
     ring = config.num_stages * stage_keys * 2 * head_dim * cache_itemsize
-    lse = config.num_compute_wgs * ROWS_PER_WG * 4 if config.num_kv_splits > 1 else 0
-    widened = config.num_widened_stages * stage_keys * 2 * head_dim * itemsize if cache_itemsize < itemsize else 0
+    lse = rows * 4 if config.num_kv_splits > 1 else 0
+    # Both streams widened (with fp8_scores too: an e5m2 cache widens its keys; only e4m3's are read as they land).
+    widened = config.num_widened_stages * stage_keys * 2 * head_dim * itemsize if widen else 0
     return queries + ring + lse + widened
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jaxrunner.ops.attention_metadata import AttentionMetadata
-from jaxrunner.ops.attention_mgpu.kernel import launch_kernel
+from jaxrunner.ops.attention_mgpu.kernel import SCALE_LANES, launch_kernel
 from jaxrunner.ops.attention_mgpu.schedule import (
     TileSchedule,
     num_granules_bound,
@@ -32,6 +32,19 @@ def compute_dtype(q_dtype, cache_dtype) -> jnp.dtype:
     """The kernel's queries and matmuls: q's dtype over a cache of q's dtype; over an FP8 cache float16,
     which holds every FP8 value exactly and is what Hopper's FP8 conversion (``cvt.rn.f16x2.e4m3x2``) gives."""
     return jnp.dtype(jnp.float16) if jnp.dtype(cache_dtype).itemsize == 1 else jnp.dtype(q_dtype)
+
+
+FP8_QUERY_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
+
+
+def fp8_queries(q: Float[Array, "*rows head_dim"]) -> tuple[Float[Array, "*rows head_dim"], Float[Array, " *rows"]]:
+    """Each row of ``q`` in e4m3 and its scale, the power of two that brings the row's largest magnitude
+    into ``(FP8_QUERY_MAX / 2, FP8_QUERY_MAX]`` (``config.fp8_scores``): nothing saturates, and the row's
+    values times its scale are exact in 16 bits. An all-zero row (padding) stays zero."""
+    rows = q.astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=-1), 2.0**-100)
+    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / FP8_QUERY_MAX)))
+    return (rows / scale[..., None]).astype(jnp.float8_e4m3fn), scale
 
 
 def prepare_tiles(
@@ -66,7 +79,8 @@ def ragged_paged_attention_mgpu(
 ) -> Float[Array, "num_tokens num_q_heads head_dim"]:
     """The Mosaic GPU kernel behind :func:`ragged_paged_attention`'s contract.
 
-    The caches are q's dtype or FP8 (read unscaled: the caller applies their scales).
+    The caches are q's dtype or FP8 (read unscaled: the caller applies their scales); over an e4m3 cache
+    with ``config.fp8_scores`` the queries are rounded to e4m3 a row (``fp8_queries``) for ``Q K^T``.
     ``config`` overrides the tuning table; ``interpret`` (an ``InterpretGPUParams``)
     runs the kernel through the Mosaic GPU interpreter on the CPU. Jitted, so that a
     model calling it once per layer lowers (and compiles) the kernel once per shape.
@@ -77,8 +91,12 @@ def ragged_paged_attention_mgpu(
     out_dtype = q.dtype
     if config is None:
         config = config_for(q, k_cache, metadata)
-    q = q.astype(compute_dtype(q.dtype, k_cache.dtype))
-    schedule, q_packed = prepare_tiles(q, num_kv_heads, metadata, config, sliding_window)
+    dtype = compute_dtype(q.dtype, k_cache.dtype)
+    schedule, q_packed = prepare_tiles(q.astype(dtype), num_kv_heads, metadata, config, sliding_window)
+    q_scales = None
+    if config.fp8_scores and k_cache.dtype == jnp.float8_e4m3fn:
+        q_packed, scales = fp8_queries(q_packed)
+        q_scales = jnp.broadcast_to(scales[..., None], (*scales.shape, SCALE_LANES))
     results = launch_kernel(
         schedule.fields,
         metadata.block_tables.astype(jnp.int32),
@@ -90,6 +108,8 @@ def ragged_paged_attention_mgpu(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        q_scales=q_scales,
+        out_dtype=dtype,
         interpret=interpret,
     )
     # One gather of whole rows from each split's packed output into [num_tokens, num_kv_heads, group, ...].
