@@ -1,6 +1,6 @@
 """The kernel's static launch parameters and the table that picks them from a call's shapes.
 
-:class:`KernelConfig` holds stage and ring sizes, compute warpgroups, KV splits and three
+:class:`KernelConfig` holds stage and ring sizes, compute and copy warpgroups, KV splits and
 schedule switches; :func:`choose_config` is the tuning table, :func:`choose_splits` its
 model of how many ways to split each tile's KV range, and :func:`kernel_supports` the
 cases the kernel takes at all. The sweeps behind the table's choices are in
