@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxrunner.cli import spread_lengths
 from jaxrunner.config import (
     CacheConfig,
     CompilationConfig,
@@ -355,10 +356,7 @@ def request_contexts(batch: int, context: int, spread: float = 0.0) -> list[int]
     """The contexts of a case's ``batch`` requests: ``context`` each, or with ``spread`` drawn uniformly from
     ``context * [1 - spread, 1 + spread]`` (as ``jaxrunner bench --range-ratio`` draws lengths), the same
     draw for every call of the case."""
-    if not spread:
-        return [context] * batch
-    low, high = max(1, round(context * (1 - spread))), round(context * (1 + spread))
-    return np.random.default_rng([batch, context]).integers(low, high + 1, batch).tolist()
+    return spread_lengths(np.random.default_rng([batch, context]), context, spread, batch).tolist()
 
 
 def add_decoding_requests(
@@ -370,10 +368,10 @@ def add_decoding_requests(
     tag: str,
     adapters: Sequence[LoRARequest] = (),
     spread: float = 0.0,
-) -> tuple[list[str], AsyncModelRunnerOutput]:
+) -> tuple[list[str], list[int], AsyncModelRunnerOutput]:
     """Give the runner ``batch`` requests at ``request_contexts(batch, context, spread)`` tokens, with blocks
-    for ``steps`` more rounds, and dispatch their first step; returns their ids and that step's pending
-    output. Request ``i`` runs with ``adapters[i % len(adapters)]`` when there are adapters.
+    for ``steps`` more rounds, and dispatch their first step; returns their ids, their contexts and that
+    step's pending output. Request ``i`` runs with ``adapters[i % len(adapters)]`` when there are adapters.
 
     As after a prefix-cache hit, all but the last prompt token are in the cache.
     """
@@ -393,7 +391,7 @@ def add_decoding_requests(
         for i, (req_id, length) in enumerate(zip(ids, contexts, strict=True))
     ]
     runner.execute_model(SchedulerOutput(new_reqs, CachedRequestData(), {r: 1 for r in ids}, batch))
-    return ids, sample_pending(runner)
+    return ids, contexts, sample_pending(runner)
 
 
 def sample_pending(runner: ModelRunner) -> AsyncModelRunnerOutput:
@@ -436,8 +434,8 @@ def time_decode(
     between consecutive outputs, over its steps.
     """
     round_steps = steps_per_round(runner)
-    ids, in_flight = add_decoding_requests(runner, batch, context, steps, rng, f"p{int(pipelined)}", adapters, spread)
-    contexts = request_contexts(batch, context, spread)
+    tag = f"p{int(pipelined)}"
+    ids, contexts, in_flight = add_decoding_requests(runner, batch, context, steps, rng, tag, adapters, spread)
     times = []
     dispatched = in_flight
     last = time.perf_counter()

@@ -258,7 +258,7 @@ def _generate(args: argparse.Namespace) -> None:
     print(f"{num_tokens} output tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s")
 
 
-def _lengths(rng: np.random.Generator, mean: int, spread: float, count: int) -> np.ndarray:
+def spread_lengths(rng: np.random.Generator, mean: int, spread: float, count: int) -> np.ndarray:
     """Lengths uniform in ``mean * [1 - spread, 1 + spread]`` (``spread`` 0: all equal)."""
     low, high = max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread)))
     return rng.integers(low, high + 1, count)
@@ -320,8 +320,8 @@ def _bench(args: argparse.Namespace) -> None:
         engine.step_times.work = []
     rng = np.random.default_rng(args.workload_seed)
     vocab = llm.llm_engine.runner.vocab_size
-    input_lens = _lengths(rng, args.input_len, args.range_ratio, args.num_prompts)
-    output_lens = _lengths(rng, args.output_len, args.range_ratio, args.num_prompts)
+    input_lens = spread_lengths(rng, args.input_len, args.range_ratio, args.num_prompts)
+    output_lens = spread_lengths(rng, args.output_len, args.range_ratio, args.num_prompts)
     if args.repetitive:  # a short random phrase repeated: what prompt lookup can exploit
         prompts = [np.resize(rng.integers(0, vocab, 16), n).tolist() for n in input_lens]
     else:
