@@ -308,11 +308,18 @@ class CompilationConfig:
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
     compiler_options: dict[str, str | bool | int] | None = None
 
-    def step_compiler_options(self, num_rows: int) -> dict[str, str | bool | int]:
-        """The options a step program over ``num_rows`` rows (tokens, or requests to sample) is compiled with."""
+    def step_compiler_options(self, num_rows: int, fp8_weight_only: bool = False) -> dict[str, str | bool | int]:
+        """The options a step program over ``num_rows`` rows (tokens, or requests to sample) is compiled with.
+
+        ``fp8_weight_only``: the program multiplies FP8 weights by unconverted inputs
+        (``ops/fp8_matmul.py``'s ``"weight_only"``). It keeps XLA's own GEMMs at any
+        row count: cuBLAS has no FP8 x bf16 product, so XLA would widen each whole
+        weight to bf16 in a kernel of its own before the cuBLAS call, 3-5x the
+        matmul (``benchmarks/decisions/fp8_weights.md``).
+        """
         if self.compiler_options is not None:
             return dict(self.compiler_options)
-        return dict(CUBLAS_GEMMS) if num_rows >= CUBLAS_MIN_ROWS else {}
+        return dict(CUBLAS_GEMMS) if num_rows >= CUBLAS_MIN_ROWS and not fp8_weight_only else {}
 
     def __post_init__(self) -> None:
         for name in ("token_buckets", "request_buckets", "patch_buckets"):

@@ -30,6 +30,7 @@ from test_sharding import tp_mesh
 
 from benchmarks.fp8_matmul import reads_fp8_weight
 from jaxrunner import envs
+from jaxrunner.config import CUBLAS_GEMMS, CUBLAS_MIN_ROWS, CompilationConfig
 from jaxrunner.engine.llm import LLM
 from jaxrunner.interfaces import SamplingParams
 from jaxrunner.models import CheckpointError, load_model, loader
@@ -331,18 +332,36 @@ def test_reads_fp8_weight_follows_the_weight_through_bitcasts_only(program, read
     assert reads_fp8_weight(program, 6144, 4096) == reads
 
 
+def test_weight_only_buckets_keep_xlas_gemms_and_larger_ones_take_cublas(cache_dir):
+    """cuBLAS has no FP8 x bf16 product (XLA widens the whole weight first): a program whose decoder runs the
+    weight-only product is compiled for XLA's own GEMMs at any row count, one of W8A8 for cuBLAS from its
+    row threshold; the LM head's programs (weights in bf16) follow the row threshold alone."""
+    llm = tiny_llm(cache_dir, quantization="fp8", max_num_batched_tokens=128, token_buckets=[64, 128])
+    compilation = llm.llm_engine.runner.compilation
+    assert CUBLAS_MIN_ROWS <= WEIGHT_ONLY_MAX_TOKENS < 128
+    assert compilation.compiler_options(WEIGHT_ONLY_MAX_TOKENS) == {}
+    assert compilation.compiler_options(128) == CUBLAS_GEMMS
+    assert compilation.compiler_options(WEIGHT_ONLY_MAX_TOKENS, decoder=False) == CUBLAS_GEMMS
+    unquantized = tiny_llm(cache_dir, max_num_batched_tokens=128, token_buckets=[64, 128])
+    assert unquantized.llm_engine.runner.compilation.compiler_options(WEIGHT_ONLY_MAX_TOKENS) == CUBLAS_GEMMS
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 64, 8192])
-def test_w8a8_reads_the_fp8_weight_without_a_wider_copy(rows):
-    """On the GPU the W8A8 product takes the FP8 weight itself (an FP8 GEMM; at one row XLA's fused
-    matrix-vector reduction), never a bf16 fallback reading a converted weight."""
+def test_each_buckets_product_reads_the_fp8_weight_without_a_wider_copy(rows):
+    """On the GPU the product a bucket of ``rows`` runs, compiled with the options the runner gives it,
+    takes the FP8 weight itself (an FP8 GEMM, or a fused product of the FP8 weight), never a bf16 copy of
+    the converted weight."""
     key = jax.random.key(0)
     k, n = 4096, 6144  # the 8B's q/k/v
     values, scale = jax.jit(quantize_weight)(jax.random.normal(key, (n, k), jnp.bfloat16) * 0.02)
     x = jax.random.normal(jax.random.fold_in(key, rows), (rows, k), jnp.bfloat16)
     product = functools.partial(fp8_matmul, input_scale=None, dtype=jnp.bfloat16)
-    compiled = jax.jit(functools.partial(product, impl="w8a8")).lower(x, values, scale).compile()
+    impl = fp8_matmul_impl(rows, "dynamic")
+    options = CompilationConfig().step_compiler_options(rows, fp8_weight_only=impl == "weight_only")
+    lowered = jax.jit(functools.partial(product, impl=impl)).lower(x, values, scale)
+    compiled = lowered.compile(compiler_options=options)  # pyright: ignore[reportArgumentType]
     hlo = compiled.as_text() or ""
     assert reads_fp8_weight(hlo, n, k), hlo[-3000:]
-    want = np.asarray(product(x, values, scale, impl="weight_only"), np.float32)
+    want = np.asarray(product(x, values, scale, impl="w8a8" if impl == "weight_only" else "weight_only"), np.float32)
     assert rel_err(np.asarray(compiled(x, values, scale), np.float32), want) < 0.05

@@ -30,6 +30,8 @@ from tqdm.auto import tqdm
 from jaxrunner.compat import device_memory_stats
 from jaxrunner.config import CompilationConfig
 from jaxrunner.models.lora import LoRAWeights, set_slot
+from jaxrunner.models.quantization import Fp8Config
+from jaxrunner.ops.fp8_matmul import fp8_matmul_impl
 from jaxrunner.runner import step_functions
 from jaxrunner.runner.block_table import BlockTables
 from jaxrunner.runner.input_batch import SampleRows, StepShape, pack_step_buffer
@@ -311,8 +313,10 @@ class CompilationManager:
         *,
         max_num_tokens: int,
         decode_step_counts: tuple[int, ...],
+        fp8: Fp8Config | None = None,
     ):
         self.config = config
+        self.fp8 = fp8
         self.statics = statics
         self.inputs = inputs
         self.decode_step_counts = decode_step_counts
@@ -321,15 +325,18 @@ class CompilationManager:
         self.step_shapes = {b: self._step_shape(b) for b in self.token_buckets}
         self.num_blocks: int | None = None
         options, options_of_first = self.compiler_options, lambda key: self.compiler_options(key[0])
+        head_options = functools.partial(self.compiler_options, decoder=False)
         self.forward = CompiledPrograms("forward", lambda b: self._lower_forward(b, self._kv_blocks()), options)
         self.sample = CompiledPrograms(
-            "sample", lambda key: self._lower_sample(key[0], self._kv_blocks(), plain=key[1]), options_of_first
+            "sample",
+            lambda key: self._lower_sample(key[0], self._kv_blocks(), plain=key[1]),
+            lambda key: head_options(key[0]),
         )
         self.write_new_requests = CompiledPrograms("write_new_requests", self._lower_write_new_requests)
         self.decode_steps = CompiledPrograms(
             "decode_steps", lambda key: self._lower_decode_steps(*key, num_blocks=self._kv_blocks()), options_of_first
         )
-        self.prompt_logprobs = CompiledPrograms("prompt_logprobs", self._lower_prompt_logprobs, options)
+        self.prompt_logprobs = CompiledPrograms("prompt_logprobs", self._lower_prompt_logprobs, head_options)
         self.set_lora_slot = CompiledPrograms("set_lora_slot", lambda _: self._lower_set_lora_slot())
         self.encode_image = CompiledPrograms("encode_image", self._lower_encode_image)
         self.patch_buckets = self._patch_ladder()
@@ -367,9 +374,12 @@ class CompilationManager:
         programs += (self.kv_gather, self.kv_scatter) if self.kv_block_buckets else ()
         return programs + ((self.encode_image,) if self.patch_buckets else ())
 
-    def compiler_options(self, num_rows: int) -> CompilerOptions:
-        """XLA's options for a step program over ``num_rows`` rows (tokens, or requests to sample)."""
-        return self.config.step_compiler_options(num_rows)
+    def compiler_options(self, num_rows: int, decoder: bool = True) -> CompilerOptions:
+        """XLA's options for a step program over ``num_rows`` rows (tokens, or requests to sample); ``decoder``:
+        the program runs the decoder's layers, whose FP8 weights may decide its GEMMs, not only the LM head."""
+        fp8 = self.fp8 if decoder else None
+        weight_only = fp8 is not None and fp8_matmul_impl(num_rows, fp8.activations, fp8.matmul) == "weight_only"
+        return self.config.step_compiler_options(num_rows, fp8_weight_only=weight_only)
 
     def token_bucket(self, num_tokens: int) -> int:
         return pad_to_bucket(num_tokens, self.token_buckets, "tokens")
@@ -441,7 +451,7 @@ class CompilationManager:
         """
         tokens, reqs = self.token_buckets[-1], self.request_buckets[-1]
         forward = _compile(self._lower_forward(tokens, _PROFILE_NUM_BLOCKS), self.compiler_options(tokens))
-        sample = _compile(self._lower_sample(reqs, _PROFILE_NUM_BLOCKS), self.compiler_options(reqs))
+        sample = _compile(self._lower_sample(reqs, _PROFILE_NUM_BLOCKS), self.compiler_options(reqs, decoder=False))
         xla_bytes = _allocated_bytes(forward) + _allocated_bytes(sample)
         encode = None
         if self.patch_buckets:

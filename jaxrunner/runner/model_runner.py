@@ -283,6 +283,7 @@ class ModelRunner:
                 self._program_inputs(model),
                 max_num_tokens=self.max_num_tokens,
                 decode_step_counts=self.config.scheduler_config.decode_step_counts,
+                fp8=self.model_arch.quantization,
             )
             self.grammar_bitmask = GrammarBitmask(self.request_buckets, self.vocab_size, self.num_spec, self.replicated)
             self.prompt_logprobs = PromptLogprobs(self.compilation.prompt_logprobs, self.spans)
