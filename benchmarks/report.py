@@ -4,7 +4,7 @@
 ``sources.json``, which says for each file what it measures (``decode:BxC``,
 ``attention``, ``attention_fp8``, ``prefill``, ``throughput``, ``host_share``,
 ``bound:bf16``, ``bound:fp8``, ``bound:fp8w``, ``fp8w:BxC``, ``lora``, ``images``, ``kv_offload``, ``moe_matmul``,
-``gemma3-12b:BxC``, ...), where, when,
+``kv_capacity:gemma3-12b``, ``gemma3-12b:BxC``, ...), where, when,
 on which commit and with which command. For each figure the table takes the
 last file in ``sources.json`` that measures it, and gives the figure as a
 ratio to the floor or peer measured in the same run. To record a new run, copy
@@ -231,6 +231,18 @@ def kv_offload_figure(source: dict) -> tuple[str, str]:
     )
 
 
+def kv_capacity_figure(source: dict) -> tuple[str, str]:
+    """``kv_capacity``'s context tokens held with the sliding-window KV-cache groups, against one full-length group."""
+    data = source["data"]
+    hybrid, full = (next(w for w in data["ways"] if w["hybrid"] == h) for h in (True, False))
+    return (
+        f"{hybrid['context_tokens_held'] / full['context_tokens_held']:.2f}x",
+        f"{hybrid['context_tokens_held']:,} against {full['context_tokens_held']:,} context tokens in "
+        f"{hybrid['kv_cache_gib']:.1f} GiB of cache; {hybrid['max_concurrency']:.1f} against "
+        f"{full['max_concurrency']:.1f} requests of {size(data['max_model_len'])} at once",
+    )
+
+
 def noop_connector_figure(source: dict) -> tuple[str, str]:
     """The whole ``kv_offload`` run with the no-op connector's hooks, against no connector."""
     data = source["data"]
@@ -329,6 +341,14 @@ def figures(sources: list[dict]) -> list[tuple[str, str, str, dict | None]]:
         ),
         ("KV connector hooks (no-op connector) / none, the same run", "kv_offload", noop_connector_figure),
     ]
+    wanted.append(
+        (
+            "Gemma-3-12B shape KV cache at `gpu_memory_utilization=0.9`: context tokens held, sliding-window "
+            "groups / one full-length group",
+            "kv_capacity:gemma3-12b",
+            kv_capacity_figure,
+        )
+    )
     for shape, name, batch, context in FAMILY_DECODE_CASES:
         wanted.append(
             (
