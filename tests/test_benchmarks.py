@@ -462,6 +462,6 @@ def test_table_has_every_figure_from_a_recorded_run():
     cases = report.DECODE_CASES + report.ATTENTION_DECODE_CASES + report.ATTENTION_FP8_DECODE_CASES
     cases += report.ATTENTION_PREFILL_CASES + report.FP8_WEIGHTS_DECODE_CASES + report.LORA_CASES
     cases += report.FAMILY_DECODE_CASES + list(report.MOE_MATMUL_TOKENS) + list(report.FP8_MATMUL_ROWS)
-    assert len(rows) == len(cases) + 9  # + prefill, 4 benches, host share, images, 2 KV connector figures
+    assert len(rows) == len(cases) + 10  # + prefill, 4 benches, host share, images, 2 KV connector figures, KV capacity
     # 256 x 4k fits no GPU in bf16.
     assert measured == {label for label, *_ in rows} - {"decode step / bandwidth floor, batch 256 x 4k"}
