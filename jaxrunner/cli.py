@@ -123,6 +123,7 @@ _ENGINE_FLAGS: dict[str, dict[str, Any]] = {
         help="XLA options for every step program as JSON, e.g. '{\"xla_gpu_enable_triton_gemm\": true}'; "
         "'{}' for XLA's defaults; unset: cuBLAS for the matmuls of large steps",
     ),
+    "compile_threads": dict(type=int, help="programs XLA compiles at once while precompiling (default 1)"),
     "enable_lora": dict(action="store_true", help="serve LoRA adapters (--lora)"),
     "max_loras": dict(type=int, help="LoRA adapters one step may mix (their device slots)"),
     "max_lora_rank": dict(type=int, help="the largest rank a LoRA adapter may have"),

@@ -307,6 +307,9 @@ class CompilationConfig:
     patch_buckets: list[int] | None = None
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
     compiler_options: dict[str, str | bool | int] | None = None
+    # Programs XLA compiles at once while precompiling: compilation releases the GIL, so more threads overlap
+    # it; on a GPU, XLA's GEMM autotuning then times its candidates side by side too (1: one at a time).
+    compile_threads: int = 1
 
     def step_compiler_options(self, num_rows: int, fp8_weight_only: bool = False) -> dict[str, str | bool | int]:
         """The options a step program over ``num_rows`` rows (tokens, or requests to sample) is compiled with.
@@ -322,6 +325,8 @@ class CompilationConfig:
         return dict(CUBLAS_GEMMS) if num_rows >= CUBLAS_MIN_ROWS and not fp8_weight_only else {}
 
     def __post_init__(self) -> None:
+        if self.compile_threads < 1:
+            raise ValueError(f"CompilationConfig.compile_threads must be at least 1; got {self.compile_threads}.")
         for name in ("token_buckets", "request_buckets", "patch_buckets"):
             ladder = getattr(self, name)
             if ladder is not None and (not ladder or any(b < 1 for b in ladder)):

@@ -50,6 +50,7 @@ def make_runner(
     mesh: Mesh | None = None,
     num_scheduler_steps: int = 1,
     compiler_options: dict | None = None,
+    compile_threads: int = 1,
     lora_config: LoRAConfig | None = None,
 ) -> ModelRunner:
     """A runner with ``model`` loaded and its KV cache allocated; ``mesh`` as the model's for TP."""
@@ -71,6 +72,7 @@ def make_runner(
             request_buckets=request_buckets,
             cache_dir=cache_dir,
             compiler_options=compiler_options,
+            compile_threads=compile_threads,
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size(mesh)),
         lora_config=lora_config,

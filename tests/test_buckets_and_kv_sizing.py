@@ -139,8 +139,10 @@ def test_step_programs_compile_with_the_configured_xla_options():
         request_buckets=[4],
         max_model_len=128,
         compiler_options={"xla_no_such_option": True},
+        compile_threads=2,
     )
-    # The option reaches XLA, which names it: every step program is compiled with it.
+    # The option reaches XLA, which names it: every step program is compiled with it (the error of a
+    # precompiling thread reaches the caller).
     with pytest.raises(Exception, match="xla_no_such_option"):
         runner.capture_model()
     with pytest.raises(Exception, match="xla_no_such_option"):

@@ -69,7 +69,7 @@ def _tiny_model():
 
 
 def test_no_recompile_over_random_steps(cache_dir):
-    """After precompile, 200 random steps (mixes, batch sizes, lengths) compile nothing."""
+    """After precompile (on four threads), 200 random steps (mixes, batch sizes, lengths) compile nothing."""
     runner = make_runner(
         _tiny_model(),
         max_num_seqs=6,
@@ -77,6 +77,7 @@ def test_no_recompile_over_random_steps(cache_dir):
         token_buckets=[4, 16, 48],
         request_buckets=[2, 6],
         cache_dir=cache_dir,
+        compile_threads=4,
     )
     runner.capture_model()
     compiled_before, programs_before = CompileCounter.count(), runner.num_compiled_programs

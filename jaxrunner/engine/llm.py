@@ -92,7 +92,8 @@ class LLM:
     layers too, as vLLM's), ``token_buckets``,
     ``request_buckets``, ``compilation_cache_dir``, ``compiler_options`` (XLA's
     options for the step programs; ``{}`` for XLA's defaults, see
-    ``CompilationConfig``), ``max_logprobs``,
+    ``CompilationConfig``), ``compile_threads`` (programs XLA compiles at once while
+    precompiling; 1 by default), ``max_logprobs``,
     ``logprobs_mode`` (vLLM's: raw_logprobs, raw_logits, processed_logprobs,
     processed_logits), ``speculative_config`` (e.g. ``{"method": "ngram",
     "num_speculative_tokens": 3}``) and ``seed``. ``skip_tokenizer_init=True``
@@ -175,6 +176,7 @@ class LLM:
         request_buckets: list[int] | None = None,
         compilation_cache_dir: str | None = None,
         compiler_options: dict[str, str | bool | int] | None = None,
+        compile_threads: int = 1,
         max_logprobs: int = 20,
         logprobs_mode: str = "raw_logprobs",
         speculative_config: SpeculativeConfig | dict | None = None,
@@ -223,6 +225,7 @@ class LLM:
             request_buckets=request_buckets,
             patch_buckets=patch_buckets,
             compiler_options=compiler_options,
+            compile_threads=compile_threads,
         )
         if compilation_cache_dir is not None:
             compilation.cache_dir = compilation_cache_dir

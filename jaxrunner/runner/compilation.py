@@ -13,6 +13,7 @@ their arguments, the configuration) and holds nothing of the runner.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -50,6 +51,10 @@ _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _PROFILE_NUM_BLOCKS = 16
 
 CompilerOptions = dict[str, str | bool | int]
+
+# Tracing and lowering are Python (they hold the GIL throughout) and go through Flax's and JAX's tracing state:
+# one thread lowers at a time; XLA's compilation, which releases the GIL, runs on as many threads as precompile has.
+_LOWERING = threading.Lock()
 
 
 def _compile(lowered: jax.stages.Lowered, options: CompilerOptions) -> jax.stages.Compiled:
@@ -239,7 +244,9 @@ class CompiledPrograms:
         """The program for ``bucket``, lowered and compiled (with the bucket's ``compiler_options``) on first use."""
         program = self._programs.get(bucket)
         if program is None:
-            program = _compile(self._lower(bucket), self._compiler_options(bucket))
+            with _LOWERING:
+                lowered = self._lower(bucket)
+            program = _compile(lowered, self._compiler_options(bucket))
             self._programs[bucket] = program
         return program
 
@@ -396,7 +403,10 @@ class CompilationManager:
     # ------------------------------------------------------------ precompile
 
     def capture_model(self) -> float:
-        """Precompile every program of every bucket (the counterpart of CUDA graph capture); returns seconds."""
+        """Precompile every program of every bucket (the counterpart of CUDA graph capture); returns seconds.
+
+        Programs are lowered one at a time and compiled by ``compile_threads`` threads at once.
+        """
         start = time.perf_counter()
         jobs = [(self.forward, b) for b in self.token_buckets]
         jobs += [(self.sample, (b, plain)) for b in self.request_buckets for plain in self.sample_paths]
@@ -406,8 +416,17 @@ class CompilationManager:
         jobs += [(self.set_lora_slot, None)] if self.inputs.lora_weights is not None else []
         jobs += [(self.encode_image, b) for b in self.patch_buckets]
         jobs += [(programs, b) for b in self.kv_block_buckets for programs in (self.kv_gather, self.kv_scatter)]
-        for programs, bucket in tqdm(jobs, desc="Precompiling buckets", leave=False):
-            programs.get(bucket)
+        with (
+            concurrent.futures.ThreadPoolExecutor(self.config.compile_threads) as pool,
+            tqdm(total=len(jobs), desc="Precompiling buckets", leave=False) as progress,
+        ):
+            compiling = [pool.submit(programs.get, bucket) for programs, bucket in jobs]
+            try:
+                for done in concurrent.futures.as_completed(compiling):
+                    done.result()
+                    progress.update()
+            finally:
+                pool.shutdown(cancel_futures=True)
         return time.perf_counter() - start
 
     @property
