@@ -66,9 +66,15 @@ def run(args: argparse.Namespace, prompts: list[list[int]], connector: dict | No
         outputs.append(list(out.outputs[0].token_ids))
     wall = time.perf_counter() - began
     later = ttft[args.documents :]  # the documents' second and later visits
-    stats = llm.llm_engine.runner.kv_connector.stats
+    runner = llm.llm_engine.runner
+    stats = runner.kv_connector.stats
     result = dict(
         wall_s=wall,
+        ttft_s=ttft,
+        # Host seconds in the connector's hooks, warm-up included: loads (with storing the saves that landed),
+        # and saves (gathering blocks and starting their copies to the host).
+        kv_load_host_s=runner.spans.seconds.get("kv_load", 0.0),
+        kv_save_host_s=runner.spans.seconds.get("kv_save", 0.0),
         ttft_later_mean_s=statistics.mean(later),
         ttft_first_round_mean_s=statistics.mean(ttft[: args.documents]),
         computed_tokens=llm.llm_engine.scheduler.num_scheduled_tokens_total,

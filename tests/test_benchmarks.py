@@ -401,6 +401,10 @@ def test_kv_offload_loads_the_evicted_documents_with_the_same_tokens(runs):
     assert result["same_tokens"] and offloading["loaded_tokens"] > 0
     assert offloading["computed_tokens"] == none["computed_tokens"] - offloading["loaded_tokens"]
     assert result["ttft_offloading_over_recompute"] > 0 and result["noop_over_none_wall"] > 0
+    # The connector's hooks are timed where it has work: loads and saves with offloading, none without one.
+    assert offloading["kv_load_host_s"] > 0 and offloading["kv_save_host_s"] > 0
+    assert none["kv_load_host_s"] == none["kv_save_host_s"] == 0
+    assert len(offloading["ttft_s"]) == len(none["ttft_s"]) == result["args"]["documents"] * result["args"]["rounds"]
 
 
 def test_kv_capacity_counts_more_context_with_sliding_window_groups(runs):

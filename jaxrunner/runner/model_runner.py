@@ -530,7 +530,10 @@ class ModelRunner:
             self.update_requests(scheduler_output)
             connector_metadata = scheduler_output.kv_connector_metadata
             if self.uses_kv_connector:  # the runner we mirror's pre_forward
-                self.kv_caches = self.kv_connector.start_load_kv(connector_metadata, self.kv_caches, self.block_mover)
+                with self.spans("kv_load"):
+                    self.kv_caches = self.kv_connector.start_load_kv(
+                        connector_metadata, self.kv_caches, self.block_mover
+                    )
             if scheduler_output.total_num_scheduled_tokens == 0:
                 return ModelRunnerOutput.make_empty()
             self.execute_mm_encoder(scheduler_output)
@@ -540,7 +543,8 @@ class ModelRunner:
             else:
                 self.execute_model_state = self.run_forward(batch, step_buffer)
             if self.uses_kv_connector:  # post_forward
-                self.kv_connector.save_kv(connector_metadata, self.kv_caches, self.block_mover)
+                with self.spans("kv_save"):
+                    self.kv_connector.save_kv(connector_metadata, self.kv_caches, self.block_mover)
             return None
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | AsyncModelRunnerOutput:
