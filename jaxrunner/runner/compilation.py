@@ -405,7 +405,8 @@ class CompilationManager:
     def capture_model(self) -> float:
         """Precompile every program of every bucket (the counterpart of CUDA graph capture); returns seconds.
 
-        Programs are lowered one at a time and compiled by ``compile_threads`` threads at once.
+        Programs are lowered one at a time and compiled by ``compile_threads`` threads at once (with one, on
+        the caller's thread: JAX's context managers are per thread).
         """
         start = time.perf_counter()
         jobs = [(self.forward, b) for b in self.token_buckets]
@@ -416,17 +417,20 @@ class CompilationManager:
         jobs += [(self.set_lora_slot, None)] if self.inputs.lora_weights is not None else []
         jobs += [(self.encode_image, b) for b in self.patch_buckets]
         jobs += [(programs, b) for b in self.kv_block_buckets for programs in (self.kv_gather, self.kv_scatter)]
-        with (
-            concurrent.futures.ThreadPoolExecutor(self.config.compile_threads) as pool,
-            tqdm(total=len(jobs), desc="Precompiling buckets", leave=False) as progress,
-        ):
-            compiling = [pool.submit(programs.get, bucket) for programs, bucket in jobs]
-            try:
-                for done in concurrent.futures.as_completed(compiling):
-                    done.result()
+        with tqdm(total=len(jobs), desc="Precompiling buckets", leave=False) as progress:
+            if self.config.compile_threads == 1:  # on the caller's thread, under its JAX contexts
+                for programs, bucket in jobs:
+                    programs.get(bucket)
                     progress.update()
-            finally:
-                pool.shutdown(cancel_futures=True)
+            else:
+                with concurrent.futures.ThreadPoolExecutor(self.config.compile_threads) as pool:
+                    compiling = [pool.submit(programs.get, bucket) for programs, bucket in jobs]
+                    try:
+                        for done in concurrent.futures.as_completed(compiling):
+                            done.result()
+                            progress.update()
+                    finally:
+                        pool.shutdown(cancel_futures=True)
         return time.perf_counter() - start
 
     @property
