@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jaxrunner.ops.attention_metadata import AttentionMetadata
-from jaxrunner.ops.attention_mgpu.kernel import SCALE_LANES, launch_kernel
+from jaxrunner.ops.attention_mgpu.kernel import launch_kernel
 from jaxrunner.ops.attention_mgpu.schedule import (
     TileSchedule,
     num_granules_bound,
@@ -25,7 +25,8 @@ from jaxrunner.ops.attention_mgpu.schedule import (
     packed_queries,
     tile_schedule,
 )
-from jaxrunner.ops.attention_mgpu.tuning import KernelConfig, config_for
+from jaxrunner.ops.attention_mgpu.tuning import SCALE_LANES, KernelConfig, config_for
+from jaxrunner.ops.fp8_matmul import FP8_MAX
 
 
 def compute_dtype(q_dtype, cache_dtype) -> jnp.dtype:
@@ -34,16 +35,13 @@ def compute_dtype(q_dtype, cache_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float16) if jnp.dtype(cache_dtype).itemsize == 1 else jnp.dtype(q_dtype)
 
 
-FP8_QUERY_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
-
-
 def fp8_queries(q: Float[Array, "*rows head_dim"]) -> tuple[Float[Array, "*rows head_dim"], Float[Array, " *rows"]]:
     """Each row of ``q`` in e4m3 and its scale, the power of two that brings the row's largest magnitude
-    into ``(FP8_QUERY_MAX / 2, FP8_QUERY_MAX]`` (``config.fp8_scores``): nothing saturates, and the row's
+    into ``(FP8_MAX / 2, FP8_MAX]`` (``config.fp8_scores``): nothing saturates, and the row's
     values times its scale are exact in 16 bits. An all-zero row (padding) stays zero."""
     rows = q.astype(jnp.float32)
     amax = jnp.maximum(jnp.max(jnp.abs(rows), axis=-1), 2.0**-100)
-    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / FP8_QUERY_MAX)))
+    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / FP8_MAX)))
     return (rows / scale[..., None]).astype(jnp.float8_e4m3fn), scale
 
 
